@@ -1,0 +1,35 @@
+# rwkvx developer entry points. Every target creates/refreshes .venv first.
+#
+# torch is installed before the project: the CPU build by default. A GPU user
+# picks their own, e.g.  make TORCH_SPEC="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"
+# (or installs torch into .venv beforehand: an importable torch is kept).
+
+PYTHON ?= python3
+VENV ?= .venv
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: install test lint gradcheck clean
+
+install: $(STAMP)
+
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/pip install $(TORCH_SPEC)
+	$(BIN)/pip install -e '.[test]'
+	touch $@
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+
+# The main job until training lands: prove the WKV7 kernels' gradients.
+gradcheck: $(STAMP)
+	$(BIN)/rwkvx gradcheck --op wkv7
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

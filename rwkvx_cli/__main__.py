@@ -1,0 +1,3 @@
+from rwkvx_cli.cli import main
+
+main()

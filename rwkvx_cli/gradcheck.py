@@ -1,0 +1,216 @@
+"""The two gradient-check gates of ../shared/docs/ops.md, for any registered op.
+
+Gate A (parity): the backend in fp32 against the fp64 `reference` backend
+differentiated by autograd, on the op's fixed-seed cases; compares the output,
+the final state and every gradient (inputs and initial state).
+
+Gate B (finite differences): central differences of an fp64 reference loss,
+step h = 1e-3 (1 + |x|), for every element of every input and of the initial
+state, against the backend's hand-written gradient (computed in fp64 when the
+backend supports it, else fp32).
+
+Both use the loss L = Σ c ⊙ y + Σ c_s ⊙ state_out with fixed random c, and the
+metric max |g - ref| / (|ref| + 1e-6) < 1e-3. Non-vacuity: a gradient whose
+reference has max |g| <= 1e-4 fails, since it would pass whatever the backend did.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors
+
+THRESHOLD = 1e-3
+REL_FLOOR = 1e-6
+VACUOUS_BELOW = 1e-4
+FD_STEP = 1e-3
+
+
+@dataclass
+class Column:
+    """One compared quantity (an output or a gradient) of one case."""
+
+    name: str
+    max_rel: float
+    rms_ratio: float
+    ref_max: float
+    is_grad: bool
+
+    @property
+    def vacuous(self) -> bool:
+        return self.is_grad and not self.ref_max > VACUOUS_BELOW
+
+    @property
+    def passed(self) -> bool:
+        return self.max_rel < THRESHOLD and not self.vacuous
+
+
+@dataclass
+class CaseResult:
+    gate: str
+    case: str
+    dims: dict[str, int]
+    backend: str
+    dtype: str
+    columns: list[Column]
+    seconds: float
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.columns)
+
+
+@dataclass
+class Report:
+    op: str
+    seed: int
+    size: int
+    results: list[CaseResult] = field(default_factory=list)
+
+    @property
+    def passed(self) -> bool:
+        return bool(self.results) and all(r.passed for r in self.results)
+
+    def to_dict(self) -> dict:
+        return {
+            "op": self.op,
+            "seed": self.seed,
+            "size": self.size,
+            "threshold": THRESHOLD,
+            "vacuous_below": VACUOUS_BELOW,
+            "passed": self.passed,
+            "results": [
+                {
+                    **{k: v for k, v in asdict(r).items() if k != "columns"},
+                    "passed": r.passed,
+                    "columns": [{**asdict(c), "vacuous": c.vacuous, "passed": c.passed} for c in r.columns],
+                }
+                for r in self.results
+            ],
+        }
+
+
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, is_grad: bool) -> Column:
+    got, ref = got.detach().double(), ref.detach().double()
+    diff = (got - ref).abs()
+    max_rel = (diff / (ref.abs() + REL_FLOOR)).max().item()
+    ref_rms = ref.pow(2).mean().sqrt().item()
+    diff_rms = diff.pow(2).mean().sqrt().item()
+    rms_ratio = diff_rms / ref_rms if ref_rms > 0 else (0.0 if diff_rms == 0 else float("inf"))
+    return Column(name, max_rel, rms_ratio, ref.abs().max().item(), is_grad)
+
+
+def _as_tuple(x) -> tuple[torch.Tensor, ...]:
+    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
+
+
+def _run(spec: OpSpec, tensors: Tensors, bk: Backend) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    """Call the backend itself (not the public function), so a spec can carry
+    backends that are not registered, such as the planted bugs of the tests."""
+    states = tuple(tensors[n] for n in spec.states)
+    y, state_out = bk.fn(*(tensors[n] for n in spec.inputs), states if len(states) > 1 else states[0])
+    return y, _as_tuple(state_out)
+
+
+def _loss(y, states_out, cot: list[torch.Tensor]) -> torch.Tensor:
+    outs = (y, *states_out)
+    return sum((o.to(c.dtype) * c).sum() for o, c in zip(outs, cot, strict=True))
+
+
+def _cotangents(spec: OpSpec, y, states_out, gen: torch.Generator) -> list[torch.Tensor]:
+    """Fixed random c, uniform in ±scale/2 per output, exactly representable in fp32."""
+    outs = (y, *states_out)
+    scales = spec.cotangent_scales or (1.0,) * len(outs)
+    return [
+        (scale * (torch.rand(o.shape, generator=gen, dtype=torch.float64) - 0.5)).float().double()
+        for o, scale in zip(outs, scales, strict=True)
+    ]
+
+
+def _grads(spec: OpSpec, tensors: Tensors, backend: Backend, dtype: torch.dtype, cot) -> tuple:
+    leaves = {n: t.detach().to(dtype).requires_grad_(True) for n, t in tensors.items()}
+    y, states_out = _run(spec, leaves, backend)
+    _loss(y, states_out, [c.to(dtype) for c in cot]).backward()
+    grads = {n: leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]) for n in leaves}
+    return y.detach(), tuple(s.detach() for s in states_out), grads
+
+
+def _names(spec: OpSpec) -> list[str]:
+    return [*spec.inputs, *spec.states]
+
+
+def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
+    start = time.perf_counter()
+    ref = spec.backends[spec.reference]
+    gen = torch.Generator().manual_seed(seed)
+    # Round the sample to fp32 first, so both sides see identical inputs.
+    tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
+    with torch.no_grad():
+        y0, s0 = _run(spec, tensors, ref)
+    cot = _cotangents(spec, y0, s0, gen)
+    y_ref, s_ref, g_ref = _grads(spec, tensors, ref, torch.float64, cot)
+    y, s, g = _grads(spec, tensors, bk, torch.float32, cot)
+    cols = [compare("y", y, y_ref, is_grad=False)]
+    cols += [compare(f"{n}_out", a, b, is_grad=False) for n, a, b in zip(spec.states, s, s_ref, strict=True)]
+    cols += [compare(f"d{n}", g[n], g_ref[n], is_grad=True) for n in _names(spec)]
+    cols += [compare(name, fn(tensors, g), fn(tensors, g_ref), is_grad=True) for name, fn in spec.derived.items()]
+    return CaseResult("A", case.name, dict(case.dims), bk.name, "float32", cols, time.perf_counter() - start)
+
+
+def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
+    start = time.perf_counter()
+    ref = spec.backends[spec.reference]
+    gen = torch.Generator().manual_seed(seed)
+    tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
+    with torch.no_grad():
+        y0, s0 = _run(spec, tensors, ref)
+    cot = _cotangents(spec, y0, s0, gen)
+    dtype = torch.float64 if bk.supports_fp64 else torch.float32
+    _, _, g = _grads(spec, tensors, bk, dtype, cot)
+
+    def loss() -> float:
+        y, states_out = _run(spec, tensors, ref)
+        return _loss(y, states_out, cot).item()
+
+    cols = []
+    with torch.no_grad():
+        for name in _names(spec):
+            x = tensors[name].view(-1)
+            fd = torch.empty_like(x)
+            for e in range(x.numel()):
+                orig = x[e].item()
+                h = FD_STEP * (1.0 + abs(orig))
+                x[e] = orig + h
+                lp = loss()
+                x[e] = orig - h
+                lm = loss()
+                x[e] = orig
+                fd[e] = (lp - lm) / (2.0 * h)
+            cols.append(compare(f"d{name}", g[name], fd.view_as(tensors[name]), is_grad=True))
+    return CaseResult(
+        "B", case.name, dict(case.dims), bk.name, str(dtype).removeprefix("torch."), cols, time.perf_counter() - start
+    )
+
+
+def run_gradcheck(
+    spec: OpSpec,
+    backends: list[Backend],
+    seed: int = 0,
+    size: int = 1,
+    on_case: Callable[[str], None] | None = None,
+) -> Report:
+    """Both gates for each backend; `on_case(label)` is called before each case."""
+    report = Report(spec.name, seed, size)
+    for bk in backends:
+        for i, case in enumerate(spec.cases):
+            if on_case:
+                on_case(f"{bk.name}: gate A, {case.name}")
+            report.results.append(gate_a(spec, bk, case.scaled(size), seed * 1000 + i))
+        if on_case:
+            on_case(f"{bk.name}: gate B, {spec.fd_case.name}")
+        report.results.append(gate_b(spec, bk, spec.fd_case, seed * 1000 + len(spec.cases)))
+    return report

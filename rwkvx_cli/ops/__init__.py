@@ -1,0 +1,7 @@
+"""Operators. Importing this package registers every op (see registry.py)."""
+
+from rwkvx_cli.ops import wkv7 as _wkv7_package  # noqa: F401  (registers "wkv7")
+from rwkvx_cli.ops.registry import Backend, Case, OpSpec, get_op, op_names, resolve_backend
+from rwkvx_cli.ops.wkv7 import wkv7
+
+__all__ = ["Backend", "Case", "OpSpec", "get_op", "op_names", "resolve_backend", "wkv7"]

@@ -1,0 +1,38 @@
+"""Argument checks shared by every op's public function.
+
+They raise ValueError with a message naming the offending argument, so a bad
+call fails at the API boundary instead of deep inside a kernel.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def check_same_layout(names: tuple[str, ...], tensors: tuple[torch.Tensor, ...], ndim: int) -> None:
+    """All tensors: floating point, `ndim` dimensions, one shape, dtype and device."""
+    first_name, first = names[0], tensors[0]
+    for name, t in zip(names, tensors, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != ndim:
+            raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.shape != first.shape:
+            raise ValueError(f"{name} has shape {tuple(t.shape)} but {first_name} has {tuple(first.shape)}")
+        if t.dtype != first.dtype:
+            raise ValueError(f"{name} has dtype {t.dtype} but {first_name} has {first.dtype}")
+        if t.device != first.device:
+            raise ValueError(f"{name} is on {t.device} but {first_name} is on {first.device}")
+
+
+def check_state(name: str, state: torch.Tensor, shape: tuple[int, ...], device: torch.device) -> None:
+    if not isinstance(state, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(state).__name__}")
+    if tuple(state.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(state.shape)}")
+    if not state.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {state.dtype}")
+    if state.device != device:
+        raise ValueError(f"{name} is on {state.device} but the inputs are on {device}")

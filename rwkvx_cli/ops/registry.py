@@ -1,0 +1,113 @@
+"""The op registry: what `gradcheck` and `bench` know about each operator.
+
+An op is added with one package under `rwkvx_cli/ops/` that calls `register`;
+commands iterate the registry and never special-case an op by name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
+
+import torch
+
+Tensors = dict[str, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Backend:
+    """One implementation of an op.
+
+    `fn` takes the op's inputs positionally then the state (a tensor, or a tuple
+    for ops with several state tensors) and returns `(y, state_out)`; inputs
+    have already been validated by the op's public function.
+    """
+
+    name: str
+    fn: Callable
+    summary: str
+    production: bool = True
+    devices: tuple[str, ...] = ("cpu", "cuda")
+    supports_fp64: bool = True
+    # Returns None when usable here, else a one-line reason (missing compiler...).
+    unavailable: Callable[[], str | None] = lambda: None
+
+
+@dataclass(frozen=True)
+class Case:
+    """A fixed gradient-check case: sizes plus op-specific sampling options."""
+
+    name: str
+    dims: dict[str, int]
+    nonzero_state: bool = False
+    options: dict[str, object] = field(default_factory=dict)
+
+    def scaled(self, size: int) -> Case:
+        """The same case with the time dimension multiplied by `size`."""
+        return replace(self, dims={**self.dims, "T": self.dims["T"] * size})
+
+
+@dataclass(frozen=True)
+class OpSpec:
+    name: str
+    summary: str
+    # Public function: fn(*inputs, state=None, backend="auto") -> (y, state_out).
+    fn: Callable
+    inputs: tuple[str, ...]
+    states: tuple[str, ...]
+    # sample(case, generator) -> inputs and states by name, in float64.
+    sample: Callable[[Case, torch.Generator], Tensors]
+    cases: tuple[Case, ...]
+    fd_case: Case
+    backends: dict[str, Backend]
+    reference: str = "reference"
+    # Scale of the gradient check's random cotangents, for y then each state.
+    # With the sampler's input scales they keep every checked quantity where
+    # the 1e-6 floor of the relative error sits above fp32 rounding.
+    cotangent_scales: tuple[float, ...] = ()
+    # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
+    derived: dict[str, Callable[[Tensors, Tensors], torch.Tensor]] = field(default_factory=dict)
+
+    def production_backends(self) -> list[Backend]:
+        return [bk for bk in self.backends.values() if bk.production]
+
+
+_OPS: dict[str, OpSpec] = {}
+
+
+def register(spec: OpSpec) -> OpSpec:
+    if spec.name in _OPS:
+        raise ValueError(f"op {spec.name!r} is already registered")
+    if spec.reference not in spec.backends:
+        raise ValueError(f"op {spec.name!r} has no {spec.reference!r} backend")
+    _OPS[spec.name] = spec
+    return spec
+
+
+def op_names() -> list[str]:
+    return sorted(_OPS)
+
+
+def get_op(name: str) -> OpSpec:
+    try:
+        return _OPS[name]
+    except KeyError:
+        raise KeyError(f"unknown op {name!r}; valid ops: {', '.join(op_names())}") from None
+
+
+def resolve_backend(spec: OpSpec, name: str, device: torch.device) -> Backend:
+    """The backend called `name`, or for "auto" the first usable production one."""
+    if name == "auto":
+        for bk in spec.production_backends():
+            if device.type in bk.devices and bk.unavailable() is None:
+                return bk
+        return spec.backends[spec.reference]
+    if name not in spec.backends:
+        raise ValueError(f"unknown backend {name!r} for {spec.name}; valid: auto, {', '.join(spec.backends)}")
+    bk = spec.backends[name]
+    if device.type not in bk.devices:
+        raise ValueError(f"backend {name!r} of {spec.name} does not run on {device.type}")
+    reason = bk.unavailable()
+    if reason is not None:
+        raise ValueError(f"backend {name!r} of {spec.name} is unavailable: {reason}")
+    return bk

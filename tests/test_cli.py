@@ -1,0 +1,126 @@
+"""The command line through Typer's runner: exit codes, output, JSON."""
+
+import json
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rwkvx_cli import __version__
+from rwkvx_cli.cli import app
+from rwkvx_cli.ops import registry
+from rwkvx_cli.ops.registry import Backend, Case, OpSpec
+
+runner = CliRunner()
+
+
+def invoke(*args):
+    return runner.invoke(app, list(args))
+
+
+def test_version_and_help():
+    result = invoke("--version")
+    assert result.exit_code == 0 and result.stdout.strip() == f"rwkvx {__version__}"
+    result = invoke("--help")
+    assert result.exit_code == 0 and "gradcheck" in result.stdout
+
+
+def test_gradcheck_wkv7_passes_and_writes_json(tmp_path):
+    path = tmp_path / "out" / "gc.json"
+    result = invoke("gradcheck", "--op", "wkv7", "--json", str(path))
+    assert result.exit_code == 0, result.output
+    assert "PASS wkv7" in result.stdout and "recurrent" in result.stdout
+    data = json.loads(path.read_text())
+    assert data["op"] == "wkv7" and data["passed"] is True and data["seconds"] > 0
+    gates = [(r["gate"], r["case"]) for r in data["results"]]
+    assert ("B", "finite_diff") in gates and ("A", "ragged_T") in gates
+    assert {r["backend"] for r in data["results"]} == {"recurrent"}
+    for r in data["results"]:
+        for c in r["columns"]:
+            assert c["max_rel"] < 1e-3 and not c["vacuous"], (r["case"], c)
+
+
+def test_unknown_op_is_a_usage_error():
+    result = invoke("gradcheck", "--op", "wkv99")
+    assert result.exit_code == 2
+    assert "unknown op 'wkv99'" in result.stderr and "valid ops: wkv7" in result.stderr
+    assert "Traceback" not in result.output
+
+
+def test_unknown_backend_is_a_usage_error():
+    result = invoke("gradcheck", "--op", "wkv7", "--backend", "cuda_magic")
+    assert result.exit_code == 2 and "valid: auto, recurrent, reference" in result.stderr
+
+
+def test_bad_size_is_a_usage_error():
+    assert invoke("gradcheck", "--op", "wkv7", "--size", "0").exit_code == 2
+
+
+def _scan_reference(x, w, state):
+    """Toy op: s_t = exp(w_t) s_{t-1} + x_t, y_t = s_t (per channel)."""
+    ys = []
+    for t in range(x.shape[1]):
+        state = torch.exp(w[:, t]) * state + x[:, t]
+        ys.append(state)
+    return torch.stack(ys, 1), state
+
+
+def _scan_cumsum(x, w, state):
+    """A second, independent formulation: prefix sums in log space."""
+    c = torch.cumsum(w, 1)
+    y = torch.exp(c) * (state[:, None] + torch.cumsum(x * torch.exp(-c), 1))
+    return y, y[:, -1]
+
+
+def _toy_spec(production_fn):
+    def sample(case, gen):
+        B, T, H, N = (case.dims[d] for d in "BTHN")
+        return {
+            "x": torch.rand(B, T, H, N, generator=gen, dtype=torch.float64) - 0.5,
+            "w": -0.5 * torch.rand(B, T, H, N, generator=gen, dtype=torch.float64),
+            "state": torch.rand(B, H, N, generator=gen, dtype=torch.float64) - 0.5,
+        }
+
+    def public(x, w, state=None, *, backend="auto"):
+        raise AssertionError("gradcheck must call backends, not the public function")
+
+    return OpSpec(
+        name="toyscan",
+        summary="test-only decayed prefix sum",
+        fn=public,
+        inputs=("x", "w"),
+        states=("state",),
+        sample=sample,
+        cases=(Case("small", {"B": 2, "T": 5, "H": 1, "N": 3}, True),),
+        fd_case=Case("fd", {"B": 1, "T": 4, "H": 1, "N": 2}, True),
+        backends={
+            "cumsum": Backend("cumsum", production_fn, "prefix sums"),
+            "reference": Backend("reference", _scan_reference, "loop", production=False),
+        },
+    )
+
+
+@pytest.fixture
+def toy_registered(monkeypatch):
+    def install(production_fn):
+        monkeypatch.setitem(registry._OPS, "toyscan", _toy_spec(production_fn))
+
+    return install
+
+
+def test_a_new_op_needs_no_change_to_gradcheck(toy_registered):
+    toy_registered(_scan_cumsum)
+    result = invoke("gradcheck", "--op", "toyscan")
+    assert result.exit_code == 0, result.output
+    assert "PASS toyscan" in result.stdout and "cumsum" in result.stdout
+
+
+def test_failing_backend_exits_1(toy_registered):
+    def wrong(x, w, state):
+        y, s = _scan_cumsum(x, w, state)
+        return y * 1.01, s
+
+    toy_registered(wrong)
+    result = invoke("gradcheck", "--op", "toyscan")
+    assert result.exit_code == 1
+    assert "FAIL toyscan" in result.stdout and "Traceback" not in result.output
