@@ -18,9 +18,11 @@ Tensors = dict[str, torch.Tensor]
 class Backend:
     """One implementation of an op.
 
-    `fn` takes the op's inputs positionally then the state (a tensor, or a tuple
-    for ops with several state tensors) and returns `(y, state_out)`; inputs
-    have already been validated by the op's public function.
+    `fn` takes the op's inputs positionally, then the state (a tensor, or a
+    tuple for ops with several state tensors), then the op's keyword options,
+    and returns `(y, state_out)`. An op without state (attention) takes no
+    state argument and returns `y` alone. Inputs have already been validated
+    by the op's public function.
     """
 
     name: str
@@ -65,6 +67,8 @@ class OpSpec:
     # With the sampler's input scales they keep every checked quantity where
     # the 1e-6 floor of the relative error sits above fp32 rounding.
     cotangent_scales: tuple[float, ...] = ()
+    # Keyword options a case passes to the backends (e.g. chunk size, top-k).
+    kwargs: Callable[[Case], dict[str, object]] = lambda case: {}
     # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
     derived: dict[str, Callable[[Tensors, Tensors], torch.Tensor]] = field(default_factory=dict)
 
