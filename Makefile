@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint gradcheck clean
+.PHONY: install test lint gradcheck demo demo-rwkvx clean
 
 install: $(STAMP)
 
@@ -27,7 +27,15 @@ test: $(STAMP)
 lint: $(STAMP)
 	$(BIN)/ruff check .
 
-# The main job until training lands: prove the WKV7 kernels' gradients.
+# The main job: train the tiny RWKV-7 on the bundled Shakespeare (CPU, minutes),
+# ending with validation bits per byte and a generated sample.
+demo: $(STAMP)
+	$(BIN)/rwkvx train --config configs/tiny.yaml
+
+demo-rwkvx: $(STAMP)
+	$(BIN)/rwkvx train --config configs/tiny-rwkvx.yaml
+
+# Prove the kernels' gradients (both gates, every production backend).
 gradcheck: $(STAMP)
 	$(BIN)/rwkvx gradcheck --op wkv7
 

@@ -160,5 +160,307 @@ def gradcheck(
         raise typer.Exit(1)
 
 
+ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run configuration.")]
+Overrides = Annotated[
+    list[str] | None, typer.Argument(help="Dotted overrides, e.g. train.lr=3e-4 model.n_layer=6.", show_default=False)
+]
+
+
+def _data_progress():
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+    )
+    task = progress.add_task("tokenizing", total=None)
+    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def _fmt_count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+@app.command()
+@reports_errors
+def init(
+    config: ConfigOpt = None,
+    overrides: Overrides = None,
+    out_dir: Annotated[
+        Path | None, typer.Option("--out", help="Run directory (default: run_dir of the config).")
+    ] = None,
+) -> None:
+    """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer)."""
+    from rwkvx_cli.config import load_config
+    from rwkvx_cli.train import checkpoint as ck
+    from rwkvx_cli.train.run import ensure_data, model_summary, new_model, write_run_files
+
+    cfg = load_config(config, overrides or [])
+    run_dir = out_dir or Path(cfg.run_dir)
+    progress, update = _data_progress()
+    with progress:
+        data = ensure_data(cfg, run_dir, update)
+    if data.prepared is not None:
+        out.print(_prepared_line(data.prepared))
+    model = new_model(cfg)
+    write_run_files(cfg, run_dir, data)
+    ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
+    _print_summary(model_summary(model), run_dir)
+
+
+def _cfg_dict(cfg):
+    from rwkvx_cli.config import config_to_dict
+
+    return config_to_dict(cfg)
+
+
+def _print_summary(summary: dict, run_dir: Path) -> None:
+    table = Table(title=f"model · blocks {summary['blocks']}", title_justify="left")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    for name, n in summary["by_component"].items():
+        table.add_row(name, _fmt_count(n))
+    table.add_row("[bold]total", f"[bold]{_fmt_count(summary['parameters'])}")
+    out.print(table)
+    out.print(
+        f"forward FLOPs/token {_fmt_count(summary['forward_flops_per_token'])} · "
+        f"train FLOPs/token {_fmt_count(summary['train_flops_per_token'])} · "
+        f"recurrent state {summary['state_bytes_per_sequence_fp32'] / 1024:.1f} KiB/sequence (fp32)"
+    )
+    out.print(f"run directory: {run_dir}")
+
+
+@app.command()
+@reports_errors
+def train(
+    config: ConfigOpt = None,
+    overrides: Overrides = None,
+    resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
+) -> None:
+    """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl."""
+    import signal
+
+    from rich.live import Live
+
+    from rwkvx_cli.config import load_config
+    from rwkvx_cli.train import checkpoint as ck
+    from rwkvx_cli.train.loop import Trainer
+    from rwkvx_cli.train.plot import plot_losses
+    from rwkvx_cli.train.run import ensure_data, model_summary, new_model, write_run_files
+
+    cfg = load_config(config, overrides or [])
+    run_dir = Path(cfg.run_dir)
+    if (
+        not resume
+        and ck.list_checkpoints(run_dir / "checkpoints")
+        and any(int(p.name.split("_")[1]) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints"))
+    ):
+        raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
+    progress, update = _data_progress()
+    with progress:
+        data = ensure_data(cfg, run_dir, update)
+    if data.prepared is not None:
+        out.print(_prepared_line(data.prepared))
+    torch_model = new_model(cfg)
+    write_run_files(cfg, run_dir, data)
+    trainer = Trainer(cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.bytes_per_token)
+    if resume:
+        step = trainer.resume()
+        err.print(f"resumed from step {step}" if step else "no checkpoint to resume from: starting at step 0")
+    else:
+        metrics = run_dir / "metrics.jsonl"
+        if metrics.exists():
+            metrics.unlink()
+    summary = model_summary(torch_model)
+    out.print(
+        f"training {_fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}: "
+        f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {run_dir}"
+    )
+    stop = {"requested": False}
+
+    def on_signal(signum, frame):
+        stop["requested"] = True
+
+    old_handler = signal.signal(signal.SIGINT, on_signal)
+    view = _TrainView(cfg.total_steps)
+    try:
+        with Live(view.render(), console=out, refresh_per_second=4, transient=False) as live:
+
+            def on_event(kind, m):
+                view.update(kind, m)
+                live.update(view.render())
+
+            last = trainer.run(on_event, should_stop=lambda: stop["requested"])
+    finally:
+        signal.signal(signal.SIGINT, old_handler)
+    if not out.is_terminal:
+        out.print()  # the final live frame ends without a newline when piped
+    if last is None:
+        out.print("nothing to do: the run is already complete")
+        return
+    if stop["requested"]:
+        out.print(f"interrupted: checkpoint saved at step {trainer.step}; continue with --resume")
+        return
+    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    ev = trainer.validate()
+    out.print(
+        f"[bold]done[/]: step {trainer.step}, val loss {ev['loss']:.4f}, val bits/byte {ev['bpb']:.4f}, "
+        f"{last.tokens_per_s:,.0f} tokens/s"
+    )
+    from rwkvx_cli.models.generate import generate
+
+    sample = data.tokenizer.decode(generate(trainer.model, data.tokenizer.encode("\n"), 200, 1.0, 0.85, cfg.train.seed))
+    out.print("[dim]sample:[/]")
+    out.print(sample, markup=False)
+
+
+class _TrainView:
+    def __init__(self, total_steps: int):
+        self.total, self.m, self.ema, self.val, self.ckpt = total_steps, None, None, None, None
+
+    def update(self, kind, m) -> None:
+        if kind == "checkpoint":
+            self.ckpt = m.step
+            return
+        self.m = m
+        self.ema = m.loss if self.ema is None else 0.95 * self.ema + 0.05 * m.loss
+        if m.val_loss is not None:
+            self.val = (m.val_loss, m.val_bpb)
+
+    def render(self):
+        from rich.progress_bar import ProgressBar
+
+        table = Table.grid(padding=(0, 2))
+        if self.m is None:
+            table.add_row("starting...")
+            return table
+        m = self.m
+        rate = m.tokens_per_s
+        eta = m.tokens and (self.total * m.tokens / m.step - m.tokens) / max(rate, 1e-9)
+        val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
+        table.add_row(ProgressBar(total=self.total, completed=m.step, width=40), f"step {m.step}/{self.total}")
+        table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
+        table.add_row("lr", f"{m.lr:.2e}", "grad norm", f"{m.grad_norm:.3f}")
+        table.add_row("tokens/s", f"{rate:,.0f}", "ETA", f"{eta:,.0f}s")
+        table.add_row("peak mem", f"{m.peak_mem_mb:,.0f} MiB", "checkpoint", f"step {self.ckpt}" if self.ckpt else "–")
+        return table
+
+
+@app.command("eval")
+@reports_errors
+def eval_cmd(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")],
+    data_dir: Annotated[Path | None, typer.Option("--data", help="Prepared data dir (default: the run's).")] = None,
+    json_out: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    generate_prompt: Annotated[str | None, typer.Option("--generate", help="Sample a continuation of PROMPT.")] = None,
+    n_tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens to generate.")] = 200,
+    temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
+    top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.85,
+    seed: int = 0,
+) -> None:
+    """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text."""
+    from rwkvx_cli.config import config_from_dict
+    from rwkvx_cli.data import load_tokenizer, open_tokens
+    from rwkvx_cli.models import LM
+    from rwkvx_cli.train import checkpoint as ck
+    from rwkvx_cli.train.loop import evaluate, pick_device
+
+    path = ck.resolve_checkpoint(checkpoint)
+    meta = ck.read_meta(path)
+    cfg = config_from_dict(meta["config"])
+    model = LM(cfg.model)
+    ck.load_into(model, ck.load_weights(path), str(path))
+    device = pick_device(cfg.train.device)
+    model.to(device)
+    run_dir = path.parent.parent
+    ddir = data_dir or (Path(cfg.data.prepared_dir) if cfg.data.prepared_dir else run_dir / "data")
+    tokenizer = load_tokenizer(ddir / "tokenizer.json")
+    val = open_tokens(ddir / "val.bin")
+    val.check_vocab(cfg.model.vocab_size)
+    meta_data = json.loads((ddir / "meta.json").read_text()) if (ddir / "meta.json").is_file() else {}
+    val_bytes = meta_data.get("val_bytes") or len(tokenizer.decode(val.tokens.tolist()).encode("utf-8"))
+    start = time.perf_counter()
+    t = cfg.train
+    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, val_bytes / len(val.tokens))
+    ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
+    ev["step"] = meta["step"]
+    ev["checkpoint"] = str(path)
+    if generate_prompt is not None:
+        from rwkvx_cli.models.generate import generate
+
+        ids = generate(model, tokenizer.encode(generate_prompt), n_tokens, temperature, top_p, seed)
+        ev["sample"] = generate_prompt + tokenizer.decode(ids)
+    if json_out:
+        out.print_json(json.dumps(ev))
+        return
+    out.print(
+        f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {ev['bpb']:.4f} "
+        f"over {ev['tokens']:,} tokens ({ev['tokens_per_s']:,.0f} tokens/s)"
+    )
+    if "sample" in ev:
+        out.print(ev["sample"], markup=False)
+
+
+@app.command()
+@reports_errors
+def export(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")],
+    out_path: Annotated[Path, typer.Option("--out", help="Output file, e.g. model.pth.")],
+    fmt: Annotated[str, typer.Option("--format", help="rwkv-lm (.pth state dict) or safetensors.")] = "rwkv-lm",
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "fp32",
+) -> None:
+    """Write a checkpoint as RWKV-LM's state dict (.pth, tensors only) or as safetensors."""
+    from rwkvx_cli.train.export import export_checkpoint
+
+    info = export_checkpoint(checkpoint, out_path, fmt, dtype)
+    out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})")
+
+
+data_app = typer.Typer(help="Prepare tokenized data.", no_args_is_help=True)
+app.add_typer(data_app, name="data")
+
+
+@data_app.command("prepare")
+@reports_errors
+def data_prepare(
+    inputs: Annotated[list[Path], typer.Argument(help='Text (.txt) or JSONL ({"text": ...}) files.')],
+    out_dir: Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")],
+    tokenizer: Annotated[str, typer.Option(help="byte, bpe, or a tokenizer.json path.")] = "byte",
+    vocab_size: Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")] = None,
+    val_fraction: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.05,
+    seed: int = 0,
+) -> None:
+    """Tokenize text/JSONL into RWKV-LM binidx (.bin + .idx) with a validation split."""
+    from rwkvx_cli.data import prepare
+
+    progress, update = _data_progress()
+    with progress:
+        stats = prepare(
+            list(inputs),
+            out_dir,
+            tokenizer_kind=tokenizer,
+            vocab_size=vocab_size,
+            val_fraction=val_fraction,
+            seed=seed,
+            progress=update,
+        )
+    out.print(_prepared_line(stats))
+
+
+def _prepared_line(stats) -> str:
+    return (
+        f"prepared {stats.documents:,} documents, {stats.bytes / 1e6:.2f} MB -> {stats.train_tokens:,} train + "
+        f"{stats.val_tokens:,} val tokens ({stats.tokenizer_kind} tokenizer, vocab {stats.vocab_size:,}) "
+        f"at {stats.mb_per_s:.1f} MB/s into {stats.out_dir}"
+    )
+
+
 def main() -> None:
     app()

@@ -8,7 +8,7 @@ from typer.testing import CliRunner
 
 from rwkvx_cli import __version__
 from rwkvx_cli.cli import app
-from rwkvx_cli.ops import registry
+from rwkvx_cli.ops import op_names, registry
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
 
 runner = CliRunner()
@@ -43,7 +43,7 @@ def test_gradcheck_wkv7_passes_and_writes_json(tmp_path):
 def test_unknown_op_is_a_usage_error():
     result = invoke("gradcheck", "--op", "wkv99")
     assert result.exit_code == 2
-    assert "unknown op 'wkv99'" in result.stderr and "valid ops: wkv7" in result.stderr
+    assert "unknown op 'wkv99'" in result.stderr and f"valid ops: {', '.join(op_names())}" in result.stderr
     assert "Traceback" not in result.output
 
 

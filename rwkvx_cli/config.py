@@ -1,0 +1,221 @@
+"""Typed run configuration: dataclasses per section, loaded from YAML, with
+dotted command-line overrides (`train.lr=3e-4`). Unknown keys, wrong types and
+inconsistent values are rejected with the field's dotted name."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import yaml
+
+from rwkvx_cli.errors import UsageError
+
+
+class ConfigError(UsageError):
+    """A bad configuration (exit code 2)."""
+
+
+@dataclass
+class ModelConfig:
+    vocab_size: int = 257
+    n_layer: int = 4
+    n_embd: int = 128
+    head_size: int = 64
+    # RWKV-X: n_attn MoBA attention blocks, one after every n_layer // n_attn RWKV blocks.
+    n_attn: int = 0
+    moba_chunk: int = 64
+    # Earlier chunks each query attends besides its own (seed 000's convention; <= 0: all).
+    moba_top_k: int = 2
+
+
+@dataclass
+class DataConfig:
+    # Text/JSONL files to prepare, or a directory already holding train.bin/idx.
+    corpus: list[str] = field(default_factory=lambda: ["data/tinyshakespeare.txt"])
+    tokenizer: str = "byte"  # "byte", "bpe", or a path to a tokenizer.json
+    bpe_vocab_size: int = 2048
+    val_fraction: float = 0.05
+    # Where prepared tokens go; "" = <run dir>/data.
+    prepared_dir: str = ""
+
+
+@dataclass
+class TrainConfig:
+    ctx_len: int = 256
+    micro_batch: int = 8
+    grad_accum: int = 1
+    tokens: int = 2_000_000  # total training tokens (sets the step count)
+    lr: float = 6e-4
+    lr_final: float = 6e-5
+    warmup_tokens: int = 100_000
+    weight_decay: float = 0.1
+    betas: tuple[float, float] = (0.9, 0.99)
+    eps: float = 1e-18
+    grad_clip: float = 1.0
+    seed: int = 0
+    eval_interval: int = 100  # steps
+    eval_tokens: int = 65_536
+    ckpt_interval: int = 200  # steps
+    keep_last: int = 3
+    # Truncated BPTT: each batch row reads consecutive windows of one stream and the
+    # recurrent state (WKV state and token shifts) carries over, detached, between steps.
+    tbptt: bool = False
+    device: str = "auto"  # auto, cpu, cuda
+    compile: bool = False
+
+
+@dataclass
+class Config:
+    run_dir: str = "runs/tiny"
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+
+    def validate(self) -> None:
+        m, t, d = self.model, self.train, self.data
+        checks = [
+            (m.head_size >= 1, "model.head_size", "must be >= 1"),
+            (m.n_embd % max(m.head_size, 1) == 0, "model.n_embd", f"{m.n_embd} is not divisible by model.head_size"),
+            (m.n_layer >= 1, "model.n_layer", "must be >= 1"),
+            (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
+            (0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
+            (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
+            (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
+            (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
+            (t.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
+            (t.tokens >= 1, "train.tokens", "must be >= 1"),
+            (t.lr > 0, "train.lr", "must be > 0"),
+            (t.keep_last >= 1, "train.keep_last", "must be >= 1"),
+            (t.eval_interval >= 1, "train.eval_interval", "must be >= 1"),
+            (t.ckpt_interval >= 1, "train.ckpt_interval", "must be >= 1"),
+            (t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda"),
+            (0 < d.val_fraction < 1, "data.val_fraction", "must be between 0 and 1"),
+            (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
+        ]
+        for ok, name, why in checks:
+            if not ok:
+                raise ConfigError(f"{name}: {why}")
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.train.ctx_len * self.train.micro_batch * self.train.grad_accum
+
+    @property
+    def total_steps(self) -> int:
+        return max(1, self.train.tokens // self.tokens_per_step)
+
+
+def _nearest(name: str, options: list[str]) -> str:
+    match = difflib.get_close_matches(name, options, n=1, cutoff=0.5)
+    return f" (did you mean {match[0]!r}?)" if match else f" (valid: {', '.join(options)})"
+
+
+def _coerce(value, tp, where: str):
+    """Check `value` against the annotation `tp`; ints are accepted for floats."""
+    origin = typing.get_origin(tp)
+    if dataclasses.is_dataclass(tp):
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {type(value).__name__}")
+        return _build(tp, value, where)
+    if origin in (typing.Union, types.UnionType):
+        args = typing.get_args(tp)
+        if value is None and type(None) in args:
+            return None
+        return _coerce(value, next(a for a in args if a is not type(None)), where)
+    if origin in (list, tuple):
+        if not isinstance(value, (list, tuple)):
+            if origin is list and isinstance(value, str):
+                return [value]  # a single path where a list is expected
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        args = typing.get_args(tp)
+        if origin is tuple:
+            if len(value) != len(args):
+                raise ConfigError(f"{where}: expected {len(args)} values, got {len(value)}")
+            return tuple(_coerce(v, a, f"{where}[{i}]") for i, (v, a) in enumerate(zip(value, args, strict=True)))
+        return [_coerce(v, args[0], f"{where}[{i}]") for i, v in enumerate(value)]
+    if tp in (int, float) and isinstance(value, str):
+        try:  # YAML 1.1 reads 6e-4 (no dot) as a string
+            value = float(value)
+        except ValueError:
+            raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
+    if tp is float and isinstance(value, int) and not isinstance(value, bool):
+        return float(value)
+    if tp is int and isinstance(value, float) and value.is_integer():
+        return int(value)  # 2e6 written for a token count
+    if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
+        raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}")
+    return value
+
+
+def _build(cls, data: dict, prefix: str = ""):
+    hints = typing.get_type_hints(cls)
+    names = [f.name for f in dataclasses.fields(cls)]
+    kwargs = {}
+    for key, value in data.items():
+        where = f"{prefix}.{key}" if prefix else str(key)
+        if key not in names:
+            raise ConfigError(f"unknown config key {where!r}{_nearest(str(key), names)}")
+        kwargs[key] = _coerce(value, hints[key], where)
+    return cls(**kwargs)
+
+
+def _set_dotted(data: dict, override: str) -> None:
+    if "=" not in override:
+        raise ConfigError(f"override {override!r} must look like section.key=value")
+    key, raw = override.split("=", 1)
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    parts = key.strip().split(".")
+    for part in parts[:-1]:
+        node = node.setdefault(part, {})
+        if not isinstance(node, dict):
+            raise ConfigError(f"override {key!r}: {part!r} is not a section")
+    node[parts[-1]] = value
+
+
+def config_to_dict(cfg: Config) -> dict:
+    def plain(x):
+        if isinstance(x, tuple):
+            return list(x)
+        if isinstance(x, dict):
+            return {k: plain(v) for k, v in x.items()}
+        return x
+
+    return plain(dataclasses.asdict(cfg))
+
+
+def config_from_dict(data: dict) -> Config:
+    cfg = _build(Config, data)
+    cfg.validate()
+    return cfg
+
+
+def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
+    data: dict = {}
+    if path is not None:
+        path = Path(path)
+        try:
+            text = path.read_text()
+        except OSError as e:
+            raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        try:
+            data = yaml.safe_load(text) or {}
+        except yaml.YAMLError as e:
+            mark = getattr(e, "problem_mark", None)
+            at = f" at line {mark.line + 1}" if mark else ""
+            raise ConfigError(f"{path}: invalid YAML{at}") from None
+        if not isinstance(data, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    for override in overrides:
+        _set_dotted(data, override)
+    cfg = _build(Config, data)
+    cfg.validate()
+    return cfg

@@ -1,0 +1,289 @@
+"""Token files: Megatron / RWKV-LM "binidx" (MMIDIDX) and headerless raw streams.
+
+binidx is a pair of files sharing a prefix. `prefix.bin` is the raw concatenated token stream. `prefix.idx` is,
+little-endian:
+
+    magic b"MMIDIDX\\x00\\x00" | <Q version 1 | <B dtype code | <Q n sequences | <Q m doc-index entries
+    int32 sizes[n] | int64 byte pointers[n] into .bin | int64 doc_idx[m]   (m = n_docs + 1, doc_idx = 0..n)
+
+Every reader here exposes `.tokens` (a 1-D array, memory-mapped), `len()` (the number of tokens), `.dtype` and
+`check_vocab(vocab_size)`.
+"""
+
+from __future__ import annotations
+
+import os
+import struct
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+
+from rwkvx_cli.data._io import fsync_dir, fsync_file, temp_path
+from rwkvx_cli.data.errors import DataError
+
+MAGIC = b"MMIDIDX\x00\x00"
+VERSION = 1
+DTYPE_CODES: dict[int, np.dtype] = {
+    1: np.dtype(np.uint8),
+    2: np.dtype(np.int8),
+    3: np.dtype(np.int16),
+    4: np.dtype(np.int32),
+    5: np.dtype(np.int64),
+    6: np.dtype(np.float64),
+    7: np.dtype(np.float32),
+    8: np.dtype(np.uint16),
+}
+RAW_SUFFIXES: dict[str, np.dtype] = {".u16": np.dtype(np.uint16), ".i32": np.dtype(np.int32)}
+_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, n sequences, doc-index entries
+_SCAN_CHUNK = 1 << 22  # tokens per step of check_vocab
+
+
+def dtype_for_vocab(vocab_size: int) -> np.dtype:
+    """uint16 while every id (< vocab_size) fits, as RWKV-LM stores its 65536-token World vocabulary; else int32."""
+    return np.dtype(np.uint16) if vocab_size <= 1 << 16 else np.dtype(np.int32)
+
+
+def binidx_paths(prefix: str | os.PathLike) -> tuple[Path, Path]:
+    """(`prefix.bin`, `prefix.idx`); `prefix` may itself end in .bin or .idx."""
+    p = os.fspath(prefix)
+    if p.endswith((".bin", ".idx")):
+        p = p[:-4]
+    return Path(p + ".bin"), Path(p + ".idx")
+
+
+def _dtype_code(dtype: np.dtype) -> int:
+    for code, dt in DTYPE_CODES.items():
+        if dt == dtype:
+            return code
+    raise ValueError(f"dtype {dtype} has no binidx code (one of {', '.join(str(d) for d in DTYPE_CODES.values())})")
+
+
+def write_binidx(prefix: str | os.PathLike, documents: Iterable[np.ndarray], dtype) -> np.ndarray:
+    """Write `prefix.bin` and `prefix.idx`, one sequence per document; returns the document sizes (int64).
+
+    Both files are written under temporary names, synced and then renamed, so a crash never leaves a partial file
+    under a final name. Raises DataError if a token does not fit `dtype` or a document is longer than int32 allows.
+    """
+    dtype = np.dtype(dtype)
+    code = _dtype_code(dtype)
+    le = dtype.newbyteorder("<")
+    bin_path, idx_path = binidx_paths(prefix)
+    bin_path.parent.mkdir(parents=True, exist_ok=True)
+    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
+    sizes: list[int] = []
+    try:
+        with open(tmp_bin, "wb") as f:
+            for i, doc in enumerate(documents):
+                arr = np.asarray(doc)
+                if arr.ndim != 1:
+                    raise ValueError(f"document {i} has shape {arr.shape}; expected a 1-D token array")
+                _check_fits(arr, dtype, i)
+                if arr.size > np.iinfo(np.int32).max:
+                    raise DataError(f"document {i} has {arr.size} tokens; binidx sizes are int32")
+                f.write(arr.astype(le, copy=False).tobytes())
+                sizes.append(arr.size)
+            fsync_file(f)
+        n = len(sizes)
+        sizes_arr = np.asarray(sizes, dtype=np.int64)
+        pointers = np.zeros(n, dtype=np.int64)
+        np.cumsum(sizes_arr[:-1] * dtype.itemsize, out=pointers[1:])
+        with open(tmp_idx, "wb") as f:
+            f.write(_HEADER.pack(MAGIC, VERSION, code, n, n + 1))
+            f.write(sizes_arr.astype("<i4").tobytes())
+            f.write(pointers.astype("<i8").tobytes())
+            f.write(np.arange(n + 1, dtype="<i8").tobytes())
+            fsync_file(f)
+        # .bin first: a crash between the renames leaves a pair that fails the reader's size check, not a silent mix.
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
+    fsync_dir(bin_path.parent)
+    return sizes_arr
+
+
+def _check_fits(arr: np.ndarray, dtype: np.dtype, i: int) -> None:
+    if arr.size == 0 or np.can_cast(arr.dtype, dtype, casting="safe"):
+        return
+    if dtype.kind == "f":
+        return
+    if arr.dtype.kind not in "iub":
+        raise DataError(f"document {i} holds {arr.dtype} values, not integer token ids")
+    info = np.iinfo(dtype)
+    lo, hi = int(arr.min()), int(arr.max())
+    if lo < info.min or hi > info.max:
+        bad = lo if lo < info.min else hi
+        raise DataError(f"document {i} has token id {bad}, which does not fit {dtype}")
+
+
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+    if tokens.dtype.kind not in "iu":
+        raise DataError(f"{what} holds {tokens.dtype} values, not integer token ids")
+    for start in range(0, len(tokens), _SCAN_CHUNK):
+        part = np.asarray(tokens[start : start + _SCAN_CHUNK])
+        if int(part.max()) < vocab_size and int(part.min()) >= 0:
+            continue
+        wide = part.astype(np.int64)
+        pos = int(np.flatnonzero((wide >= vocab_size) | (wide < 0))[0])
+        raise DataError(
+            f"{what}: token id {int(wide[pos])} at position {start + pos} is outside the vocabulary "
+            f"(size {vocab_size}); was it prepared with another tokenizer?"
+        )
+
+
+def _file_size(path: Path, what: str) -> int:
+    try:
+        st = path.stat()
+    except FileNotFoundError:
+        raise DataError(f"{what} not found: {path}") from None
+    except OSError as e:
+        raise DataError(f"cannot read {what} {path}: {e.strerror}") from None
+    if not path.is_file():
+        raise DataError(f"{what} {path} is not a regular file")
+    return st.st_size
+
+
+def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
+    if count == 0:  # mmap refuses empty files
+        return np.empty(0, dtype=dtype)
+    try:
+        return np.memmap(path, dtype=dtype.newbyteorder("<"), mode="r", shape=(count,))
+    except OSError as e:
+        raise DataError(f"cannot map {path}: {e.strerror}") from None
+
+
+class BinIdx:
+    """A validated, memory-mapped binidx pair. `len()` is the number of tokens."""
+
+    def __init__(self, prefix: str | os.PathLike):
+        self.bin_path, self.idx_path = binidx_paths(prefix)
+        idx_size = _file_size(self.idx_path, "binidx index")
+        bin_size = _file_size(self.bin_path, "binidx token file")
+        name = self.idx_path
+        try:
+            with open(self.idx_path, "rb") as f:
+                head = f.read(_HEADER.size)
+                if not head:
+                    raise DataError(f"{name} is empty, not a binidx index")
+                if head[: len(MAGIC)] != MAGIC[: len(head)]:
+                    raise DataError(f"{name} is not a binidx index (bad magic {head[: len(MAGIC)]!r})")
+                if len(head) < _HEADER.size:
+                    raise DataError(
+                        f"{name} is truncated: {idx_size} bytes, shorter than the {_HEADER.size}-byte header"
+                    )
+                _, version, code, n, m = _HEADER.unpack(head)
+                if version != VERSION:
+                    raise DataError(f"{name} has unsupported binidx version {version} (supported: {VERSION})")
+                if code not in DTYPE_CODES:
+                    raise DataError(f"{name} has unknown dtype code {code} (known: {sorted(DTYPE_CODES)})")
+                expected = _HEADER.size + 12 * n + 8 * m
+                if idx_size < expected:
+                    raise DataError(
+                        f"{name} is truncated: {idx_size} bytes, but its header ({n} sequences, {m} doc-index "
+                        f"entries) needs {expected}"
+                    )
+                if idx_size > expected:
+                    raise DataError(
+                        f"{name} has {idx_size - expected} unexpected bytes after its {expected}-byte index"
+                    )
+                sizes = np.fromfile(f, dtype="<i4", count=n).astype(np.int64)
+                pointers = np.fromfile(f, dtype="<i8", count=n)
+                doc_idx = np.fromfile(f, dtype="<i8", count=m)
+        except OSError as e:
+            raise DataError(f"cannot read binidx index {name}: {e.strerror}") from None
+
+        self.dtype: np.dtype = DTYPE_CODES[code]
+        item = self.dtype.itemsize
+        if n and sizes.min() < 0:
+            i = int(np.argmax(sizes < 0))
+            raise DataError(f"{name}: sequence {i} has negative size {int(sizes[i])}")
+        expected_ptr = np.zeros(n, dtype=np.int64)
+        np.cumsum(sizes[:-1] * item, out=expected_ptr[1:])
+        if not np.array_equal(pointers, expected_ptr):
+            i = int(np.argmax(pointers != expected_ptr))
+            raise DataError(
+                f"{name}: pointer {i} is {int(pointers[i])}, but the sizes before it put sequence {i} at byte "
+                f"{int(expected_ptr[i])}"
+            )
+        if m < 1 or doc_idx[0] != 0 or doc_idx[-1] != n or np.any(np.diff(doc_idx) < 0):
+            raise DataError(f"{name}: the document index is not a non-decreasing list from 0 to {n}")
+        n_tokens = int(sizes.sum())
+        if bin_size % item:
+            raise DataError(f"{self.bin_path} has {bin_size} bytes, not a multiple of the {item}-byte {self.dtype}")
+        if bin_size < n_tokens * item:
+            raise DataError(
+                f"{self.bin_path} is truncated: {bin_size // item} tokens, but {name} claims {n_tokens} "
+                f"({n_tokens * item} bytes)"
+            )
+        if bin_size > n_tokens * item:
+            raise DataError(
+                f"{self.bin_path} has {bin_size // item} tokens, more than the {n_tokens} that {name} indexes "
+                "(mismatched .bin/.idx pair?)"
+            )
+        self.doc_sizes: np.ndarray = sizes
+        self.tokens: np.ndarray = _map(self.bin_path, self.dtype, n_tokens)
+
+    @property
+    def n_docs(self) -> int:
+        return len(self.doc_sizes)
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        _check_vocab(self.tokens, vocab_size, str(self.bin_path))
+
+    def __repr__(self) -> str:
+        return f"BinIdx({str(self.bin_path)[:-4]!r}, {len(self)} tokens, {self.n_docs} docs, {self.dtype})"
+
+
+class RawTokens:
+    """A headerless token stream: `.u16` (uint16) or `.i32` (int32), or any name with an explicit dtype."""
+
+    def __init__(self, path: str | os.PathLike, dtype=None):
+        self.path = Path(path)
+        if dtype is None:
+            if self.path.suffix not in RAW_SUFFIXES:
+                raise DataError(f"cannot tell the dtype of raw token file {self.path}: name it .u16 or .i32")
+            dtype = RAW_SUFFIXES[self.path.suffix]
+        self.dtype: np.dtype = np.dtype(dtype)
+        if self.dtype.kind not in "iu":
+            raise DataError(f"raw token dtype must be an integer type, not {self.dtype}")
+        size = _file_size(self.path, "token file")
+        if size % self.dtype.itemsize:
+            raise DataError(
+                f"{self.path} has {size} bytes, not a multiple of the {self.dtype.itemsize}-byte {self.dtype}"
+            )
+        self.tokens: np.ndarray = _map(self.path, self.dtype, size // self.dtype.itemsize)
+        self.doc_sizes: np.ndarray = np.array([len(self.tokens)], dtype=np.int64)
+
+    @property
+    def n_docs(self) -> int:
+        return 1
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def check_vocab(self, vocab_size: int) -> None:
+        _check_vocab(self.tokens, vocab_size, str(self.path))
+
+    def __repr__(self) -> str:
+        return f"RawTokens({str(self.path)!r}, {len(self)} tokens, {self.dtype})"
+
+
+def open_tokens(path: str | os.PathLike) -> BinIdx | RawTokens:
+    """Open a token file by its name: `.u16`/`.i32` raw, `.bin`/`.idx` or a bare prefix binidx."""
+    p = Path(path)
+    if p.suffix in RAW_SUFFIXES:
+        return RawTokens(p)
+    if p.suffix in (".bin", ".idx"):
+        return BinIdx(p)
+    bin_path, idx_path = binidx_paths(p)
+    if bin_path.exists() or idx_path.exists():
+        return BinIdx(p)
+    if not p.exists():
+        raise DataError(f"token file not found: {p} (nor {bin_path.name}/{idx_path.name})")
+    raise DataError(f"unknown token file type: {p} (expected a binidx prefix, .bin/.idx, .u16 or .i32)")

@@ -1,0 +1,39 @@
+"""Sampling. A pure RWKV model advances its recurrent state one token at a time
+(O(1) per token); a hybrid with attention blocks re-reads its context."""
+
+from __future__ import annotations
+
+import torch
+
+from rwkvx_cli.models.model import LM
+
+
+def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    if temperature <= 0:
+        return int(logits.argmax())
+    probs = torch.softmax(logits.float() / temperature, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = probs.sort(descending=True)
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
+        probs = torch.zeros_like(probs).scatter(-1, order[keep], sorted_p[keep])
+    return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
+
+
+@torch.no_grad()
+def generate(model: LM, prompt: list[int], n_tokens: int, temperature=1.0, top_p=0.9, seed=0) -> list[int]:
+    model.eval()
+    device = next(model.parameters()).device
+    gen = torch.Generator().manual_seed(seed)
+    ids = list(prompt) or [0]
+    out: list[int] = []
+    if model.recurrent:
+        logits, state = model(torch.tensor([ids], device=device))
+        for _ in range(n_tokens):
+            nxt = sample_next(logits[0, -1].cpu(), temperature, top_p, gen)
+            out.append(nxt)
+            logits, state = model(torch.tensor([[nxt]], device=device), state)
+    else:
+        for _ in range(n_tokens):
+            logits, _ = model(torch.tensor([ids + out], device=device))
+            out.append(sample_next(logits[0, -1].cpu(), temperature, top_p, gen))
+    return out

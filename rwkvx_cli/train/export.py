@@ -1,0 +1,41 @@
+"""Export a checkpoint: RWKV-LM's `.pth` state dict (tensors only, loadable with
+`torch.load(weights_only=True)` and by the `rwkv` pip package), or safetensors."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from rwkvx_cli.errors import RwkvxError, UsageError
+from rwkvx_cli.train import checkpoint as ck
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32") -> dict:
+    if fmt not in ("rwkv-lm", "safetensors"):
+        raise UsageError(f"unknown export format {fmt!r}; valid: rwkv-lm, safetensors")
+    if dtype not in DTYPES:
+        raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    path = ck.resolve_checkpoint(checkpoint)
+    meta = ck.read_meta(path)
+    weights = ck.load_weights(path)
+    model_cfg = meta["config"]["model"]
+    if fmt == "rwkv-lm" and model_cfg.get("n_attn", 0) > 0:
+        raise RwkvxError("the rwkv-lm format holds plain RWKV-7 models; this one has MoBA attention blocks")
+    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
+    out = Path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.name}.tmp")
+    if fmt == "rwkv-lm":
+        torch.save(tensors, tmp)
+    else:
+        save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, out)
+    return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}

@@ -1,0 +1,27 @@
+"""The loss curve of a run, as a PNG next to its metrics.jsonl."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+
+def plot_losses(metrics_path: Path, out_path: Path) -> Path:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
+    val = [r for r in rows if r.get("val_loss") is not None]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=0.8)
+    ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")
+    ax.set_xlabel("tokens")
+    ax.set_ylabel("loss (nats / token)")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    fig.savefig(out_path, dpi=100)
+    plt.close(fig)
+    return out_path

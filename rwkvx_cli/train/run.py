@@ -1,0 +1,117 @@
+"""Run directories: resolve data, build or restore the model, summarise it.
+
+<run>/config.yaml (resolved), <run>/tokenizer.json, <run>/data/ (prepared
+tokens unless data.prepared_dir says otherwise), <run>/checkpoints/,
+<run>/metrics.jsonl.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+import yaml
+
+from rwkvx_cli.config import Config, ConfigError, config_to_dict
+from rwkvx_cli.data import PrepareStats, load_tokenizer, open_tokens, prepare
+from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.models import LM, build_model
+
+
+@dataclass
+class RunData:
+    train: object
+    val: object
+    tokenizer: object
+    bytes_per_token: float
+    data_dir: Path
+    prepared: PrepareStats | None  # set when this call tokenized the corpus
+
+
+def data_dir_for(cfg: Config, run_dir: Path) -> Path:
+    corpus = [Path(p) for p in cfg.data.corpus]
+    if len(corpus) == 1 and corpus[0].is_dir():
+        return corpus[0]  # already prepared
+    return Path(cfg.data.prepared_dir) if cfg.data.prepared_dir else run_dir / "data"
+
+
+def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
+    """Prepare the corpus once (tokenize, split, write binidx), then open it."""
+    data_dir = data_dir_for(cfg, run_dir)
+    stats = None
+    if not (data_dir / "meta.json").is_file():
+        for p in cfg.data.corpus:
+            if not Path(p).exists():
+                raise ConfigError(f"data.corpus: {p} does not exist")
+        stats = prepare(
+            [Path(p) for p in cfg.data.corpus],
+            data_dir,
+            tokenizer_kind=cfg.data.tokenizer,
+            vocab_size=cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else None,
+            val_fraction=cfg.data.val_fraction,
+            seed=cfg.train.seed,
+            progress=progress,
+        )
+    meta = json.loads((data_dir / "meta.json").read_text())
+    tokenizer = load_tokenizer(data_dir / "tokenizer.json")
+    if tokenizer.vocab_size > cfg.model.vocab_size:
+        raise ConfigError(
+            f"model.vocab_size: {cfg.model.vocab_size} is smaller than the tokenizer's {tokenizer.vocab_size}"
+        )
+    train, val = open_tokens(data_dir / "train.bin"), open_tokens(data_dir / "val.bin")
+    for split in (train, val):
+        split.check_vocab(cfg.model.vocab_size)
+    if len(val.tokens) < cfg.train.ctx_len + 1:
+        raise DataError(
+            f"the validation split has {len(val.tokens)} tokens, fewer than train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
+        )
+    val_bytes = meta.get("val_bytes") or len(tokenizer.decode(val.tokens.tolist()).encode("utf-8"))
+    return RunData(train, val, tokenizer, val_bytes / max(len(val.tokens), 1), data_dir, stats)
+
+
+def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    if data.data_dir.resolve() != run_dir.resolve():
+        target = run_dir / "tokenizer.json"
+        if not target.exists() or target.resolve() != (data.data_dir / "tokenizer.json").resolve():
+            shutil.copyfile(data.data_dir / "tokenizer.json", target)
+
+
+def model_summary(model: LM) -> dict:
+    """Parameter counts per component, forward FLOPs per token, recurrent state size."""
+    cfg = model.cfg
+    groups: dict[str, int] = {}
+    for name, p in model.named_parameters():
+        if name.startswith("emb."):
+            key = "embedding"
+        elif name.startswith("head."):
+            key = "head"
+        elif name.startswith("blocks."):
+            kind = model.kinds[int(name.split(".")[1])]
+            part = name.split(".")[2]
+            key = f"{kind}.{'time_mix' if part == 'att' else 'channel_mix' if part == 'ffn' else 'norms'}"
+        else:
+            key = "norms"
+        groups[key] = groups.get(key, 0) + p.numel()
+    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb."))
+    H, N = cfg.n_embd // cfg.head_size, cfg.head_size
+    n_rwkv = model.kinds.count("rwkv")
+    # Forward FLOPs/token: 2 per matmul weight, plus the WKV recurrence's ~9 N^2 per head per RWKV layer
+    # (decay, S a, two rank-1 updates, S r); attention adds 4 * N * keys_attended per head (not counted).
+    flops = 2 * matmul + 9 * H * N * N * n_rwkv
+    state_floats = n_rwkv * (H * N * N + 2 * cfg.n_embd)
+    return {
+        "parameters": sum(groups.values()),
+        "by_component": groups,
+        "forward_flops_per_token": flops,
+        "train_flops_per_token": 3 * flops,
+        "state_bytes_per_sequence_fp32": 4 * state_floats,
+        "blocks": "".join("R" if k == "rwkv" else "A" for k in model.kinds),
+    }
+
+
+def new_model(cfg: Config) -> LM:
+    return build_model(cfg.model, cfg.train.seed)

@@ -1,0 +1,116 @@
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import rwkvx_cli.data.corpus as corpus
+from rwkvx_cli.data import BinIdx, ByteTokenizer, DataError, load_tokenizer, prepare
+from rwkvx_cli.errors import UsageError
+
+SHAKESPEARE = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
+
+
+def _docs_of(data: BinIdx) -> list[np.ndarray]:
+    ends = np.cumsum(data.doc_sizes)
+    return [np.asarray(data.tokens[e - n : e]) for n, e in zip(data.doc_sizes, ends, strict=True)]
+
+
+def _write_jsonl(path: Path, texts: list[str]) -> None:
+    path.write_text("".join(json.dumps({"text": t, "id": i}) + "\n" for i, t in enumerate(texts)), encoding="utf-8")
+
+
+def test_single_txt_document_splits_at_a_line(tmp_path):
+    calls = []
+    stats = prepare([SHAKESPEARE], tmp_path / "out", "byte", progress=lambda d, t: calls.append((d, t)))
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    size = SHAKESPEARE.stat().st_size
+    train, val = BinIdx(tmp_path / "out" / "train"), BinIdx(tmp_path / "out" / "val")
+    assert stats.split == "line" and stats.documents == 1
+    assert stats.train_tokens + stats.val_tokens == size + 1 == len(train) + len(val)
+    assert abs(stats.val_tokens - 0.05 * (size + 1)) < corpus.PIECE_CHARS  # cut at a piece boundary near 5%
+    all_tokens = np.concatenate([train.tokens, val.tokens])
+    np.testing.assert_array_equal(all_tokens[:-1], np.frombuffer(text.encode(), np.uint8) + 1)
+    assert all_tokens[-1] == 0 and np.count_nonzero(all_tokens == 0) == 1  # eod only after the document
+    tok = ByteTokenizer()
+    assert tok.decode(train.tokens).endswith("\n") and not tok.decode(val.tokens)[0].isspace()
+    assert calls[0] == (0, size) and calls[-1] == (size, size)
+    assert all(a[0] <= b[0] for a, b in zip(calls, calls[1:], strict=False))
+    assert stats.mb_per_s > 0
+
+
+def test_jsonl_documents_hold_out_whole_documents(tmp_path):
+    rng = np.random.default_rng(0)
+    texts = ["".join(rng.choice(list("abcdefgh éß\n"), size=int(rng.integers(5, 60)))) for _ in range(40)]
+    _write_jsonl(tmp_path / "a.jsonl", texts[:25])
+    (tmp_path / "b.jsonl").write_text(
+        "\n".join(json.dumps({"text": t}) for t in texts[25:]) + "\n\n", encoding="utf-8"
+    )  # blank lines are skipped
+    stats = prepare([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "out", "byte", val_fraction=0.2, seed=3)
+    train, val = BinIdx(tmp_path / "out" / "train"), BinIdx(tmp_path / "out" / "val")
+    assert stats.split == "documents" and stats.documents == 40
+    assert stats.train_documents + stats.val_documents == 40 and stats.val_documents >= 1
+    total = stats.train_tokens + stats.val_tokens
+    assert total == sum(len(t.encode()) + 1 for t in texts)
+    assert 0 < stats.val_tokens <= round(0.2 * total)
+    tok = ByteTokenizer()
+    decoded = []
+    for data in (train, val):
+        for doc in _docs_of(data):
+            assert doc[-1] == 0 and np.count_nonzero(doc == 0) == 1  # eod ends every document, and only there
+            decoded.append(tok.decode(doc))
+    assert sorted(decoded) == sorted(texts)
+    assert [tok.decode(d) for d in _docs_of(train)] == [
+        t for t in texts if t in {tok.decode(d) for d in _docs_of(train)}
+    ]
+
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["vocab_size"] == 257 and meta["dtype"] == "uint16" and meta["documents"] == 40
+    assert meta["train"] == {"prefix": "train", "tokens": stats.train_tokens, "documents": stats.train_documents}
+    assert meta["val"]["tokens"] == stats.val_tokens and meta["tokens"] == total
+    assert meta["tokenizer"]["kind"] == "byte" and meta["split"] == "documents" and meta["seed"] == 3
+    assert [s["documents"] for s in meta["sources"]] == [25, 15]
+    assert meta["bytes"] == sum(s["bytes"] for s in meta["sources"])
+    assert isinstance(load_tokenizer(tmp_path / "out" / "tokenizer.json"), ByteTokenizer)
+    # Same seed, same split; a token count works too.
+    again = prepare([tmp_path / "a.jsonl", tmp_path / "b.jsonl"], tmp_path / "o2", "byte", val_fraction=0.2, seed=3)
+    assert again.val_tokens == stats.val_tokens
+    by_count = prepare([tmp_path / "a.jsonl"], tmp_path / "o3", "byte", val_fraction=100)
+    assert 0 < by_count.val_tokens <= 100
+
+
+def test_bpe_txt_and_jsonl_then_reuse_tokenizer(tmp_path):
+    (tmp_path / "a.txt").write_text(SHAKESPEARE.read_text(encoding="utf-8")[:30000], encoding="utf-8")
+    _write_jsonl(tmp_path / "b.jsonl", ["To be, or not to be.", "All the world's a stage.\nAnd all the men."])
+    stats = prepare([tmp_path / "a.txt", tmp_path / "b.jsonl"], tmp_path / "out", "bpe", vocab_size=320)
+    assert stats.vocab_size == 320 and stats.documents == 3 and stats.tokenizer_kind == "bpe"
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    docs = _docs_of(BinIdx(tmp_path / "out" / "train")) + _docs_of(BinIdx(tmp_path / "out" / "val"))
+    assert sorted(tok.decode(d) for d in docs) == sorted(
+        [(tmp_path / "a.txt").read_text(), "To be, or not to be.", "All the world's a stage.\nAnd all the men."]
+    )
+    assert all(d[-1] == 0 for d in docs)
+    reused = prepare([tmp_path / "b.jsonl"], tmp_path / "o2", tmp_path / "out" / "tokenizer.json", val_fraction=0.0)
+    assert reused.tokenizer_kind == "file" and reused.split == "none" and reused.val_tokens == 0
+    assert reused.train_documents == 2
+
+
+def test_errors(tmp_path):
+    with pytest.raises(DataError, match=r"input file not found: .*nope\.txt"):
+        prepare([tmp_path / "nope.txt"], tmp_path / "out")
+    (tmp_path / "empty.txt").write_text("")
+    _write_jsonl(tmp_path / "e.jsonl", ["", ""])
+    with pytest.raises(DataError, match="the corpus has no text"):
+        prepare([tmp_path / "empty.txt", tmp_path / "e.jsonl"], tmp_path / "out")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n', encoding="utf-8")
+    with pytest.raises(DataError, match=r'bad\.jsonl:2: expected a JSON object with a string "text" field'):
+        prepare([tmp_path / "bad.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out" / "meta.json").exists()
+    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # no temp stream left behind
+    (tmp_path / "a.txt").write_text("tiny")
+    with pytest.raises(DataError, match="leaves no training data"):
+        prepare([tmp_path / "a.txt"], tmp_path / "out", val_fraction=5)
+    with pytest.raises(UsageError, match="val_fraction must be in"):
+        prepare([tmp_path / "a.txt"], tmp_path / "out", val_fraction=1.5)
+    with pytest.raises(UsageError, match="is not a file"):
+        prepare([tmp_path / "a.txt"], tmp_path / "out", tokenizer_kind="sentencepiece")

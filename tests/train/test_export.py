@@ -1,0 +1,74 @@
+"""Export round trips: RWKV-LM's .pth read back by the public `rwkv` pip package
+gives the logits of our model; safetensors keeps every tensor bit for bit."""
+
+import os
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from typer.testing import CliRunner
+
+from rwkvx_cli.cli import app
+from rwkvx_cli.config import Config, ModelConfig, config_to_dict
+from rwkvx_cli.models import build_model
+from rwkvx_cli.train.checkpoint import save_checkpoint
+
+runner = CliRunner()
+
+
+@pytest.fixture
+def trained_like_run(tmp_path):
+    """A checkpoint of a model whose weights are all perturbed away from init."""
+    cfg = Config(model=ModelConfig(vocab_size=97, n_layer=3, n_embd=128, head_size=64))
+    model = build_model(cfg.model, 0)
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+    save_checkpoint(tmp_path / "run" / "checkpoints", 5, model, None, {"config": config_to_dict(cfg)}, 3)
+    return tmp_path / "run", model
+
+
+def test_rwkv_lm_export_runs_in_the_rwkv_pip_package(trained_like_run, tmp_path):
+    run, model = trained_like_run
+    out = tmp_path / "model.pth"
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "rwkv-lm", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    sd = torch.load(out, weights_only=True)
+    assert set(sd) == set(model.state_dict())
+
+    os.environ["RWKV_V7_ON"] = "1"
+    os.environ["RWKV_JIT_ON"] = "0"
+    os.environ["RWKV_CUDA_ON"] = "0"
+    from rwkv.model import RWKV
+
+    ext = RWKV(model=str(out)[: -len(".pth")], strategy="cpu fp32")
+    tokens = [5, 17, 3, 96, 0, 42, 7, 7, 13]
+    with torch.no_grad():
+        ours, _ = model(torch.tensor([tokens]))
+        theirs_seq, _ = ext.forward(tokens, None, full_output=True)
+        state, theirs_one = None, []
+        for t in tokens:
+            logits, state = ext.forward([t], state)
+            theirs_one.append(logits)
+    torch.testing.assert_close(theirs_seq, ours[0], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(torch.stack(theirs_one), ours[0], rtol=1e-4, atol=1e-4)
+
+
+def test_safetensors_export_is_exact(trained_like_run, tmp_path):
+    run, model = trained_like_run
+    out = tmp_path / "model.safetensors"
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "safetensors", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    tensors = load_file(out)
+    for name, t in model.state_dict().items():
+        assert torch.equal(tensors[name], t), name
+
+
+def test_export_refuses_bad_requests(trained_like_run, tmp_path):
+    run, _ = trained_like_run
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "onnx", "--out", str(tmp_path / "x")])
+    assert result.exit_code == 2 and "valid: rwkv-lm, safetensors" in result.stderr
+    result = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
+    assert result.exit_code == 1 and "no checkpoint found" in result.stderr
+    assert not (tmp_path / "x").exists()

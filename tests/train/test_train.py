@@ -1,0 +1,222 @@
+"""Training through the CLI on a tiny config: exact resume, run files, bad input."""
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from rwkvx_cli.cli import app
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    path = tmp_path_factory.mktemp("corpus") / "text.txt"
+    lines = [f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog {i % 5}." for i in range(400)]
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def tiny_args(run_dir, corpus, *extra):
+    return [
+        f"run_dir={run_dir}",
+        f"data.corpus=[{corpus}]",
+        "model.n_layer=2",
+        "model.n_embd=64",
+        "model.head_size=32",
+        "train.ctx_len=32",
+        "train.micro_batch=4",
+        "train.tokens=1280",  # 10 steps
+        "train.eval_interval=5",
+        "train.eval_tokens=512",
+        "train.ckpt_interval=4",
+        "train.warmup_tokens=256",
+        "train.lr=3e-3",
+        *extra,
+    ]
+
+
+def losses(run_dir):
+    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def train(*args):
+    result = runner.invoke(app, ["train", *args])
+    assert result.exit_code == 0, result.output
+    return result
+
+
+def test_resume_reproduces_the_uninterrupted_run_exactly(tmp_path, corpus):
+    full = tmp_path / "full"
+    train(*tiny_args(full, corpus))
+    reference = losses(full)
+    assert len(reference) == 10 and reference[-1] < reference[0]
+
+    interrupted = tmp_path / "interrupted"
+    train(*tiny_args(interrupted, corpus))
+    ckpts = sorted((interrupted / "checkpoints").iterdir())
+    assert [p.name for p in ckpts] == ["step_00000004", "step_00000008", "step_00000010"]
+    for later in ckpts[1:]:  # roll the run back to its step-4 checkpoint
+        for f in later.iterdir():
+            f.unlink()
+        later.rmdir()
+    result = train(*tiny_args(interrupted, corpus), "--resume")
+    assert "resumed from step 4" in result.output
+    assert losses(interrupted) == reference  # bit-identical, including the steps before the checkpoint
+    assert (interrupted / "config.yaml").is_file() and (interrupted / "tokenizer.json").is_file()
+
+
+def test_train_refuses_to_overwrite_a_run_without_resume(tmp_path, corpus):
+    run = tmp_path / "run"
+    train(*tiny_args(run, corpus, "train.tokens=256"))
+    result = runner.invoke(app, ["train", *tiny_args(run, corpus, "train.tokens=256")])
+    assert result.exit_code == 2 and "--resume" in result.stderr
+
+
+def test_eval_and_generate(tmp_path, corpus):
+    run = tmp_path / "run"
+    train(*tiny_args(run, corpus, "train.tokens=256"))
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), "--json", "--generate", "line", "--tokens", "8"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.stdout)
+    assert data["step"] == 2 and data["bpb"] > 0 and data["tokens"] > 0 and data["sample"].startswith("line")
+
+
+@pytest.mark.parametrize(
+    "override,message",
+    [
+        ("train.ctx_len=0", "train.ctx_len: must be >= 1"),
+        ("model.n_embd=100", "model.n_embd: 100 is not divisible by model.head_size"),
+        ("train.lrr=1", "did you mean 'lr'"),
+        ("data.corpus=[/nonexistent/file.txt]", "data.corpus: /nonexistent/file.txt does not exist"),
+        ("model.vocab_size=100", "model.vocab_size: 100 is smaller than the tokenizer's 257"),
+    ],
+)
+def test_bad_config_is_one_line_exit_2(tmp_path, corpus, override, message):
+    result = runner.invoke(app, ["train", *tiny_args(tmp_path / "r", corpus), override])
+    assert result.exit_code == 2, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def rollback_to(run_dir, step):
+    """Delete every checkpoint after `step`, as if the run had died right after it."""
+    for ckpt in sorted((run_dir / "checkpoints").iterdir()):
+        if int(ckpt.name.split("_")[1]) > step:
+            for f in ckpt.iterdir():
+                f.unlink()
+            ckpt.rmdir()
+
+
+def test_tbptt_resume_is_exact_and_carries_state(tmp_path, corpus):
+    full = tmp_path / "full"
+    train(*tiny_args(full, corpus, "train.tbptt=true"))
+    reference = losses(full)
+    assert (full / "checkpoints" / "step_00000010" / "extra.safetensors").is_file()
+    assert reference != losses_of_plain_run(tmp_path, corpus)  # the carried state changes the run
+
+    rollback_to(full, 4)
+    train(*tiny_args(full, corpus, "train.tbptt=true"), "--resume")
+    assert losses(full) == reference
+
+
+def losses_of_plain_run(tmp_path, corpus):
+    plain = tmp_path / "plain"
+    train(*tiny_args(plain, corpus))
+    return losses(plain)
+
+
+def test_hybrid_rwkvx_and_bpe_runs_learn(tmp_path, corpus):
+    run = tmp_path / "hybrid"
+    args = tiny_args(run, corpus, "model.n_attn=1", "model.moba_chunk=8", "model.moba_top_k=1", "train.tokens=2560")
+    result = train(*args, "data.tokenizer=bpe", "data.bpe_vocab_size=300", "model.vocab_size=300")
+    assert "(RRA)" in result.stdout or "RRA" in result.stdout
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    val = [r["val_loss"] for r in rows if r["val_loss"] is not None]
+    assert len(val) >= 3 and val[-1] < val[0]
+    assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
+    import os
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    run = tmp_path / "run"
+    args = tiny_args(run, corpus, "train.tokens=1000000", "train.ckpt_interval=100000", "train.eval_interval=100000")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "rwkvx_cli", "train", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "COLUMNS": "200"},
+    )
+    metrics = run / "metrics.jsonl"
+    deadline = time.time() + 120
+    while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
+        time.sleep(0.2)
+    proc.send_signal(signal.SIGINT)
+    out, errs = proc.communicate(timeout=120)
+    assert proc.returncode == 0, errs
+    assert "checkpoint saved at step" in out
+    steps = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir()]
+    assert steps and max(steps) == len(metrics.read_text().splitlines())
+
+
+@pytest.fixture
+def prepared(tmp_path, corpus):
+    """A run whose data has been prepared by `rwkvx init`."""
+    run = tmp_path / "run"
+    result = runner.invoke(app, ["init", *tiny_args(run, corpus)])
+    assert result.exit_code == 0, result.output
+    assert "parameters" in result.stdout and (run / "checkpoints" / "step_00000000" / "meta.json").is_file()
+    return run
+
+
+@pytest.mark.parametrize(
+    "damage,message",
+    [
+        ("magic", "magic"),
+        ("truncate_bin", "val.bin"),
+        ("dtype", "dtype"),
+    ],
+)
+def test_damaged_data_is_refused_before_training(prepared, corpus, damage, message):
+    data = prepared / "data"
+    if damage == "magic":
+        raw = bytearray((data / "train.idx").read_bytes())
+        raw[:4] = b"XXXX"
+        (data / "train.idx").write_bytes(bytes(raw))
+    elif damage == "truncate_bin":
+        raw = (data / "val.bin").read_bytes()
+        (data / "val.bin").write_bytes(raw[: len(raw) // 2])
+    else:
+        raw = bytearray((data / "train.idx").read_bytes())
+        raw[17] = 99  # the dtype code after magic (9 bytes) and version (8 bytes)
+        (data / "train.idx").write_bytes(bytes(raw))
+    result = runner.invoke(app, ["train", *tiny_args(prepared, corpus)])
+    assert result.exit_code == 1, result.output
+    assert message in result.stderr and "Traceback" not in result.output
+    assert not (prepared / "metrics.jsonl").exists()
+    assert [p.name for p in (prepared / "checkpoints").iterdir()] == ["step_00000000"]
+
+
+def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
+    from rwkvx_cli.data import write_binidx
+
+    data = tmp_path / "data"
+    data.mkdir()
+    import numpy as np
+
+    from rwkvx_cli.data import ByteTokenizer
+
+    ByteTokenizer().save(data / "tokenizer.json")
+    write_binidx(data / "train", [np.array([1, 2, 3, 400, 5] * 50, dtype=np.uint16)], np.uint16)
+    write_binidx(data / "val", [np.array([1, 2, 3, 4, 5] * 50, dtype=np.uint16)], np.uint16)
+    (data / "meta.json").write_text("{}")
+    result = runner.invoke(app, ["train", *tiny_args(tmp_path / "run", data)])
+    assert result.exit_code == 1, result.output
+    assert "400" in result.stderr and "Traceback" not in result.output
