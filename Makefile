@@ -10,7 +10,7 @@ TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: install test lint gradcheck demo demo-rwkvx clean
+.PHONY: install test lint gradcheck bench demo demo-rwkvx clean
 
 install: $(STAMP)
 
@@ -38,6 +38,11 @@ demo-rwkvx: $(STAMP)
 # Prove the kernels' gradients (both gates, every production backend).
 gradcheck: $(STAMP)
 	$(BIN)/rwkvx gradcheck --op wkv7
+	$(BIN)/rwkvx gradcheck --op moba
+
+# The standard CPU benchmark set (every op at its default shapes, fwd+bwd, fp32).
+bench: $(STAMP)
+	$(BIN)/rwkvx bench --json bench/cpu.json
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -134,13 +134,15 @@ def gradcheck(
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     try:
-        backends = (
-            [resolve_backend(spec, name, torch.device("cpu")) for name in backend]
-            if backend
-            else [bk for bk in spec.production_backends() if bk.unavailable() is None]
-        )
+        backends = [resolve_backend(spec, name, torch.device("cpu")) for name in backend] if backend else []
     except ValueError as e:
         raise UsageError(str(e)) from None
+    for bk in [] if backend else spec.production_backends():
+        reason = bk.unavailable() if "cpu" in bk.devices else "does not run on cpu"
+        if reason is None:
+            backends.append(bk)
+        else:
+            err.print(f"[yellow]warning:[/] skipping the {bk.name!r} backend: {reason}", soft_wrap=True)
     start = time.perf_counter()
     with err.status("gradcheck") as status:
         report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
@@ -150,12 +152,7 @@ def gradcheck(
     out.print(
         f"{verdict} {report.op}: {len(report.results)} cases, {', '.join(b.name for b in backends)} in {seconds:.1f}s"
     )
-    if json_path is not None:
-        try:
-            json_path.parent.mkdir(parents=True, exist_ok=True)
-            json_path.write_text(json.dumps({**report.to_dict(), "seconds": seconds}, indent=2) + "\n")
-        except OSError as e:
-            raise RwkvxError(f"cannot write {json_path}: {e.strerror}") from None
+    _write_json(json_path, {**report.to_dict(), "seconds": seconds})
     if not report.passed:
         raise typer.Exit(1)
 
@@ -203,7 +200,11 @@ def init(
     from rwkvx_cli.train.run import ensure_data, model_summary, new_model, write_run_files
 
     cfg = load_config(config, overrides or [])
-    run_dir = out_dir or Path(cfg.run_dir)
+    if out_dir is not None:
+        cfg.run_dir = str(out_dir)
+    run_dir = Path(cfg.run_dir)
+    if ck.list_checkpoints(run_dir / "checkpoints"):
+        raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
     progress, update = _data_progress()
     with progress:
         data = ensure_data(cfg, run_dir, update)
@@ -257,11 +258,7 @@ def train(
 
     cfg = load_config(config, overrides or [])
     run_dir = Path(cfg.run_dir)
-    if (
-        not resume
-        and ck.list_checkpoints(run_dir / "checkpoints")
-        and any(int(p.name.split("_")[1]) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints"))
-    ):
+    if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints")):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     progress, update = _data_progress()
     with progress:
@@ -371,6 +368,7 @@ def eval_cmd(
     from rwkvx_cli.models import LM
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
+    from rwkvx_cli.train.run import bytes_per_token
 
     path = ck.resolve_checkpoint(checkpoint)
     meta = ck.read_meta(path)
@@ -384,11 +382,9 @@ def eval_cmd(
     tokenizer = load_tokenizer(ddir / "tokenizer.json")
     val = open_tokens(ddir / "val.bin")
     val.check_vocab(cfg.model.vocab_size)
-    meta_data = json.loads((ddir / "meta.json").read_text()) if (ddir / "meta.json").is_file() else {}
-    val_bytes = meta_data.get("val_bytes") or len(tokenizer.decode(val.tokens.tolist()).encode("utf-8"))
     start = time.perf_counter()
     t = cfg.train
-    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, val_bytes / len(val.tokens))
+    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, bytes_per_token(tokenizer, val))
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = meta["step"]
     ev["checkpoint"] = str(path)
@@ -421,6 +417,139 @@ def export(
 
     info = export_checkpoint(checkpoint, out_path, fmt, dtype)
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})")
+
+
+def _parse_shape(text: str) -> dict[str, int]:
+    try:
+        B, T, H, N = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--shape {text!r} must be B,T,H,N (four integers)") from None
+    if min(B, T, H, N) < 1:
+        raise UsageError(f"--shape {text!r}: every dimension must be >= 1")
+    return {"B": B, "T": T, "H": H, "N": N}
+
+
+@app.command()
+@reports_errors
+def bench(
+    op: Annotated[list[str] | None, typer.Option("--op", help="Op to bench; repeatable. Default: every op.")] = None,
+    backend: Annotated[
+        list[str] | None, typer.Option("--backend", help="Backend; repeatable. Default: production + baseline.")
+    ] = None,
+    shape: Annotated[
+        list[str] | None, typer.Option("--shape", help="B,T,H,N; repeatable. Default: the op's set.")
+    ] = None,
+    dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp64.")] = "fp32",
+    mode: Annotated[list[str] | None, typer.Option("--mode", help="fwd or fwdbwd; repeatable.")] = None,
+    baseline: Annotated[str, typer.Option(help="Backend the speedup column divides by.")] = "reference",
+    device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
+    model: Annotated[Path | None, typer.Option("--model", help="Bench training steps of this config instead.")] = None,
+    steps: Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")] = 5,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
+) -> None:
+    """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
+    from rwkvx_cli.bench import DTYPES, run_bench
+    from rwkvx_cli.ops import get_op, op_names
+    from rwkvx_cli.train.loop import pick_device
+
+    if device not in ("auto", "cpu", "cuda"):
+        raise UsageError(f"--device {device!r}: valid are auto, cpu, cuda")
+    dev = pick_device(device)
+    if model is not None:
+        from rwkvx_cli.bench_model import bench_model
+
+        result = bench_model(model, steps, dev)
+        _render_model_bench(result)
+        _write_json(json_path, result)
+        return
+    if dtype not in DTYPES:
+        raise UsageError(f"--dtype {dtype!r}: valid are {', '.join(DTYPES)}")
+    modes = mode or ["fwdbwd"]
+    for m in modes:
+        if m not in ("fwd", "fwdbwd"):
+            raise UsageError(f"--mode {m!r}: valid are fwd, fwdbwd")
+    try:
+        specs = [get_op(name) for name in (op or op_names())]
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    for spec in specs:
+        for name in backend or []:
+            if name not in spec.backends:
+                raise UsageError(f"unknown backend {name!r} for {spec.name}; valid: {', '.join(spec.backends)}")
+    shapes = [_parse_shape(s) for s in shape] if shape else None
+    if shapes and any(spec.name == "moba" for spec in specs):
+        for s in shapes:  # attention options for ops that take them
+            s.update({"chunk_size": 64, "top_k": 2, "min_gap": 0})
+    with err.status("bench") as status:
+        report = run_bench(specs, backend, shapes, dtype, modes, baseline, dev, on_row=status.update)
+    _render_bench(report, baseline)
+    _write_json(json_path, report.to_dict())
+
+
+def _write_json(path: Path | None, data) -> None:
+    if path is None:
+        return
+    from rwkvx_cli.fsio import atomic_write_text
+
+    try:
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise RwkvxError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _render_bench(report, baseline: str) -> None:
+    table = Table(
+        title=f"bench · {report.device} · {report.threads} threads · matmul peak {report.matmul_gflops:,.0f} GFLOP/s",
+        title_justify="left",
+    )
+    for head in ("op", "backend", "shape", "dtype", "mode"):
+        table.add_column(head, no_wrap=True)
+    for head in ("median ms", "± spread", "tokens/s", "GFLOP/s", "% peak", "mem MiB", f"x {baseline}"):
+        table.add_column(head, justify="right", no_wrap=True)
+    for r in report.rows:
+        shape = "×".join(str(r.dims[d]) for d in "BTHN")
+        if r.error:
+            table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 6)
+            continue
+        table.add_row(
+            r.op,
+            r.backend,
+            shape,
+            r.dtype,
+            r.mode,
+            f"{r.median_ms:,.2f}",
+            f"{r.spread_pct:.0f}%",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.gflops:,.1f}",
+            f"{r.pct_of_peak:.1f}",
+            f"{r.memory_mb:,.1f}",
+            f"{r.speedup:,.1f}" if r.speedup is not None else "–",
+        )
+    print_wide(table)
+    out.print(
+        "[dim]GFLOP/s counts each op's useful FLOPs (README: kernels); % peak divides by the matmul rate measured "
+        "above; mem = bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
+    )
+
+
+def _render_model_bench(r: dict) -> None:
+    table = Table(title=f"bench --model {r['config']} · {r['device']}", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, label in (
+        ("tokens_per_s", "tokens/s"),
+        ("step_ms", "ms / step"),
+        ("recurrence_pct", "recurrence (wkv7/moba) %"),
+        ("matmul_pct", "matmuls %"),
+        ("other_pct", "other %"),
+        ("train_flops_per_token", "train FLOPs / token"),
+        ("matmul_gflops", "matmul peak GFLOP/s"),
+        ("mfu_pct", "MFU %"),
+    ):
+        val = r[key]
+        table.add_row(label, f"{val:,.1f}" if isinstance(val, float) else f"{val:,}")
+    out.print(table)
+    out.print(f"[dim]{r['mfu_formula']}[/]")
 
 
 data_app = typer.Typer(help="Prepare tokenized data.", no_args_is_help=True)
@@ -462,5 +591,12 @@ def _prepared_line(stats) -> str:
     )
 
 
+def _one_line_warning(message, category, filename, lineno, file=None, line=None):
+    err.print(f"[yellow]warning:[/] {message}", soft_wrap=True)
+
+
 def main() -> None:
+    import warnings
+
+    warnings.showwarning = _one_line_warning
     app()

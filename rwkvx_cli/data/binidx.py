@@ -19,8 +19,8 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data._io import fsync_dir, fsync_file, temp_path
 from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.fsio import fsync_dir, fsync_file, temp_path
 
 MAGIC = b"MMIDIDX\x00\x00"
 VERSION = 1

@@ -18,12 +18,12 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data._io import atomic_write_text, fsync_file
 from rwkvx_cli.data.binidx import dtype_for_vocab, write_binidx
 from rwkvx_cli.data.corpus import iter_pieces
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.tokenizer import EOD_ID, BPETokenizer, ByteTokenizer, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import atomic_write_text, fsync_file
 
 META_FORMAT = "rwkvx-prepared"
 META_VERSION = 1

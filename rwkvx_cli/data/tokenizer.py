@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data._io import atomic_write_text
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import atomic_write_text
 
 EOD_TOKEN = "<|eod|>"
 EOD_ID = 0

@@ -6,6 +6,7 @@ commands iterate the registry and never special-case an op by name.
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -67,6 +68,10 @@ class OpSpec:
     # With the sampler's input scales they keep every checked quantity where
     # the 1e-6 floor of the relative error sits above fp32 rounding.
     cotangent_scales: tuple[float, ...] = ()
+    # Useful FLOPs of one call at dims ({"B", "T", "H", "N", ...}) for mode "fwd" or "fwdbwd"
+    # (recomputation not counted), and the shapes `rwkvx bench` measures by default.
+    flops: Callable[[dict[str, int], str], float] = lambda dims, mode: float("nan")
+    bench_shapes: tuple[dict[str, int], ...] = ()
     # Keyword options a case passes to the backends (e.g. chunk size, top-k).
     kwargs: Callable[[Case], dict[str, object]] = lambda case: {}
     # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
@@ -77,6 +82,13 @@ class OpSpec:
 
 
 _OPS: dict[str, OpSpec] = {}
+_WARNED: set[str] = set()
+
+
+def _warn_once(message: str) -> None:
+    if message not in _WARNED:
+        _WARNED.add(message)
+        warnings.warn(message, RuntimeWarning, stacklevel=3)
 
 
 def register(spec: OpSpec) -> OpSpec:
@@ -100,11 +112,20 @@ def get_op(name: str) -> OpSpec:
 
 
 def resolve_backend(spec: OpSpec, name: str, device: torch.device) -> Backend:
-    """The backend called `name`, or for "auto" the first usable production one."""
+    """The backend called `name`, or for "auto" the first usable production one
+    (backends are listed fastest first); skipping one that cannot run here
+    (e.g. no compiler for a native kernel) warns once."""
     if name == "auto":
+        skipped = []
         for bk in spec.production_backends():
-            if device.type in bk.devices and bk.unavailable() is None:
+            if device.type not in bk.devices:
+                continue
+            reason = bk.unavailable()
+            if reason is None:
+                for other, why in skipped:
+                    _warn_once(f"{spec.name}: the {other!r} backend is unavailable ({why}); using {bk.name!r}")
                 return bk
+            skipped.append((bk.name, reason))
         return spec.backends[spec.reference]
     if name not in spec.backends:
         raise ValueError(f"unknown backend {name!r} for {spec.name}; valid: auto, {', '.join(spec.backends)}")

@@ -18,28 +18,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.fsio import atomic_write_text, fsync_dir, fsync_path
 
 
 class CheckpointError(RwkvxError):
     pass
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def write_json_atomic(path: Path, data) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        json.dump(data, f, indent=2)
-        f.write("\n")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
@@ -77,23 +60,27 @@ def save_checkpoint(
     tmp.mkdir()
     weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
     save_file(weights, tmp / "model.safetensors")
-    _fsync(tmp / "model.safetensors")
+    fsync_path(tmp / "model.safetensors")
     if optimizer is not None:
         opt_tensors, opt_meta = _optimizer_tensors(optimizer)
         save_file(opt_tensors, tmp / "optimizer.safetensors")
-        _fsync(tmp / "optimizer.safetensors")
+        fsync_path(tmp / "optimizer.safetensors")
         meta = {**meta, "optimizer": opt_meta}
     if extra:
         save_file({k: v.detach().cpu().contiguous() for k, v in extra.items()}, tmp / "extra.safetensors")
-        _fsync(tmp / "extra.safetensors")
-    write_json_atomic(tmp / "meta.json", {**meta, "step": step})
+        fsync_path(tmp / "extra.safetensors")
+    atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step}, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
-    _fsync(ckpt_root)
+    fsync_dir(ckpt_root)
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def step_of(ckpt: Path) -> int:
+    return int(ckpt.name.split("_")[1])
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:

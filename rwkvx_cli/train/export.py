@@ -11,6 +11,7 @@ import torch
 from safetensors.torch import save_file
 
 from rwkvx_cli.errors import RwkvxError, UsageError
+from rwkvx_cli.fsio import fsync_path
 from rwkvx_cli.train import checkpoint as ck
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
@@ -35,7 +36,6 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32"
         torch.save(tensors, tmp)
     else:
         save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
+    fsync_path(tmp)
     os.replace(tmp, out)
     return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}

@@ -7,7 +7,6 @@ tokens unless data.prepared_dir says otherwise), <run>/checkpoints/,
 
 from __future__ import annotations
 
-import json
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,6 +17,7 @@ from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.data import PrepareStats, load_tokenizer, open_tokens, prepare
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.models import LM, build_model
+from rwkvx_cli.ops import get_op
 
 
 @dataclass
@@ -54,7 +54,6 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
             seed=cfg.train.seed,
             progress=progress,
         )
-    meta = json.loads((data_dir / "meta.json").read_text())
     tokenizer = load_tokenizer(data_dir / "tokenizer.json")
     if tokenizer.vocab_size > cfg.model.vocab_size:
         raise ConfigError(
@@ -67,8 +66,12 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
         raise DataError(
             f"the validation split has {len(val.tokens)} tokens, fewer than train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
         )
-    val_bytes = meta.get("val_bytes") or len(tokenizer.decode(val.tokens.tolist()).encode("utf-8"))
-    return RunData(train, val, tokenizer, val_bytes / max(len(val.tokens), 1), data_dir, stats)
+    return RunData(train, val, tokenizer, bytes_per_token(tokenizer, val), data_dir, stats)
+
+
+def bytes_per_token(tokenizer, split) -> float:
+    """UTF-8 bytes per token of a split, for bits per byte = loss / ln 2 / bytes_per_token."""
+    return len(tokenizer.decode(split.tokens.tolist()).encode("utf-8")) / max(len(split.tokens), 1)
 
 
 def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
@@ -99,15 +102,17 @@ def model_summary(model: LM) -> dict:
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb."))
     H, N = cfg.n_embd // cfg.head_size, cfg.head_size
     n_rwkv = model.kinds.count("rwkv")
-    # Forward FLOPs/token: 2 per matmul weight, plus the WKV recurrence's ~9 N^2 per head per RWKV layer
-    # (decay, S a, two rank-1 updates, S r); attention adds 4 * N * keys_attended per head (not counted).
-    flops = 2 * matmul + 9 * H * N * N * n_rwkv
+    # FLOPs/token: 2 per matmul weight forward (6 with backward), plus the wkv7 op's own
+    # count per RWKV layer (ops/wkv7: 9 N² per head forward, 28 N² with backward).
+    # Attention's score/value products are not counted.
+    wkv = get_op("wkv7").flops
+    one_token = {"B": 1, "T": 1, "H": H, "N": N}
     state_floats = n_rwkv * (H * N * N + 2 * cfg.n_embd)
     return {
         "parameters": sum(groups.values()),
         "by_component": groups,
-        "forward_flops_per_token": flops,
-        "train_flops_per_token": 3 * flops,
+        "forward_flops_per_token": int(2 * matmul + n_rwkv * wkv(one_token, "fwd")),
+        "train_flops_per_token": int(6 * matmul + n_rwkv * wkv(one_token, "fwdbwd")),
         "state_bytes_per_sequence_fp32": 4 * state_floats,
         "blocks": "".join("R" if k == "rwkv" else "A" for k in model.kinds),
     }

@@ -220,3 +220,10 @@ def test_token_ids_outside_the_vocabulary_are_refused(tmp_path):
     result = runner.invoke(app, ["train", *tiny_args(tmp_path / "run", data)])
     assert result.exit_code == 1, result.output
     assert "400" in result.stderr and "Traceback" not in result.output
+
+
+def test_init_refuses_a_directory_with_checkpoints(prepared, corpus):
+    before = sorted(p.name for p in (prepared / "checkpoints").iterdir())
+    result = runner.invoke(app, ["init", *tiny_args(prepared, corpus)])
+    assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
+    assert sorted(p.name for p in (prepared / "checkpoints").iterdir()) == before

@@ -89,6 +89,19 @@ def _sample(case: Case, gen: torch.Generator) -> Tensors:
     return x
 
 
+def _flops(dims: dict[str, int], mode: str) -> float:
+    """4 N per attended (query, key) pair forward (q·k and p·v), 8 N more backward;
+    the gate scores are not counted."""
+    T, c, top_k = dims["T"], dims["chunk_size"], dims["top_k"]
+    pairs = 0
+    for t in range(T):
+        ct = t // c
+        earlier = ct if top_k <= 0 else min(top_k, ct)
+        pairs += earlier * c + t % c + 1
+    per = 4 if mode == "fwd" else 12
+    return float(per * dims["N"] * pairs * dims["B"] * dims["H"])
+
+
 def _case(name, B, T, H, N, chunk_size, top_k, **options):
     return Case(name, {"B": B, "T": T, "H": H, "N": N}, options={"chunk_size": chunk_size, "top_k": top_k, **options})
 
@@ -127,6 +140,11 @@ SPEC = register(
             ),
         },
         cotangent_scales=(0.08,),
+        flops=_flops,
+        bench_shapes=(
+            {"B": 1, "T": 1024, "H": 4, "N": 64, "chunk_size": 64, "top_k": 2, "min_gap": 0},
+            {"B": 1, "T": 4096, "H": 4, "N": 64, "chunk_size": 64, "top_k": 2, "min_gap": 0},
+        ),
         kwargs=lambda case: {"chunk_size": case.options["chunk_size"], "top_k": case.options["top_k"]},
     )
 )

@@ -15,6 +15,15 @@ def fsync_file(f) -> None:
     os.fsync(f.fileno())
 
 
+def fsync_path(path: Path) -> None:
+    """Flush a file that was written by someone else (safetensors, torch.save) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def fsync_dir(path: Path) -> None:
     # Makes the renames durable; not every platform lets a directory be opened.
     try:

@@ -1,0 +1,189 @@
+"""Benchmarks of registered ops, and of a model's training step.
+
+Every number is measured in the same run as its baseline: times are the median
+of repeats after a warm-up, FLOP rates use each op's stated useful-FLOP count
+(`OpSpec.flops`), and "% of peak" divides by this device's fp32 (or bf16) matmul
+throughput measured here and now.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from rwkvx_cli.ops.registry import Backend, Case, OpSpec
+
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+
+@dataclass
+class BenchRow:
+    op: str
+    backend: str
+    dims: dict[str, int]
+    dtype: str
+    mode: str
+    median_ms: float
+    spread_pct: float  # (p90 - p10) / median
+    repeats: int
+    tokens_per_s: float
+    gflops: float
+    pct_of_peak: float
+    memory_mb: float  # CUDA: peak allocated; CPU: bytes saved for backward plus outputs
+    speedup: float | None = None  # baseline time / this time, same dims/dtype/mode
+    error: str | None = None
+
+
+@dataclass
+class BenchReport:
+    device: str
+    threads: int
+    matmul_gflops: float
+    rows: list[BenchRow] = field(default_factory=list)
+
+    def to_dict(self) -> dict:
+        return {**{k: v for k, v in asdict(self).items() if k != "rows"}, "rows": [asdict(r) for r in self.rows]}
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def timed(fn: Callable[[], object], device: torch.device, min_time: float = 0.5, max_reps: int = 50) -> list[float]:
+    """One warm-up call, then repeats until `min_time` seconds (at least 3 repeats)."""
+    fn()
+    sync(device)
+    times: list[float] = []
+    while len(times) < 3 or (sum(times) < min_time and len(times) < max_reps):
+        start = time.perf_counter()
+        fn()
+        sync(device)
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
+    a = torch.randn(n, n, device=device).to(dtype)
+    b = torch.randn(n, n, device=device).to(dtype)
+    best = min(timed(lambda: a @ b, device, min_time=0.3))
+    return 2 * n**3 / best / 1e9
+
+
+def _saved_bytes(fn: Callable[[], tuple]) -> tuple[object, int]:
+    """Run fn under saved-tensor hooks; bytes of distinct storages saved for backward."""
+    storages: dict[int, int] = {}
+
+    def pack(t):
+        storage = t.untyped_storage()
+        storages[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = fn()
+    return out, sum(storages.values())
+
+
+def bench_op(
+    spec: OpSpec, bk: Backend, dims: dict[str, int], dtype: str, mode: str, device: torch.device, peak: float, seed=0
+) -> BenchRow:
+    shape = {d: dims[d] for d in "BTHN"}
+    case = Case("bench", shape, nonzero_state=True, options={k: v for k, v in dims.items() if k not in shape})
+    tensors = {
+        n: t.to(device=device, dtype=DTYPES[dtype])
+        for n, t in spec.sample(case, torch.Generator().manual_seed(seed)).items()
+    }
+    for name in spec.states:  # states stay fp32 (fp64 for fp64 runs)
+        tensors[name] = tensors[name].to(torch.float64 if dtype == "fp64" else torch.float32)
+    kwargs = spec.kwargs(case)
+    grad = mode == "fwdbwd"
+    leaves = {n: t.detach().requires_grad_(grad) for n, t in tensors.items()}
+
+    def call():
+        inputs = [leaves[n] for n in spec.inputs]
+        if not spec.states:
+            return bk.fn(*inputs, **kwargs), ()
+        states = [leaves[n] for n in spec.states]
+        y, s = bk.fn(*inputs, states[0] if len(states) == 1 else tuple(states), **kwargs)
+        return y, s if isinstance(s, tuple) else (s,)
+
+    def step():
+        for t in leaves.values():
+            t.grad = None
+        if not grad:
+            with torch.no_grad():
+                return call()
+        y, s = call()
+        loss = y.float().sum() + sum(x.float().sum() for x in s)
+        loss.backward()
+
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    times = timed(step, device)
+    if device.type == "cuda":
+        memory = torch.cuda.max_memory_allocated(device) / 2**20
+    else:
+        (y, s), saved = _saved_bytes(call) if grad else (call(), 0)
+        memory = (saved + y.nbytes + sum(x.nbytes for x in s)) / 2**20
+    med = statistics.median(times)
+    q = statistics.quantiles(times, n=10) if len(times) >= 2 else [med] * 9
+    flops = spec.flops(dims, mode)
+    return BenchRow(
+        op=spec.name,
+        backend=bk.name,
+        dims=dict(dims),
+        dtype=dtype,
+        mode=mode,
+        median_ms=med * 1e3,
+        spread_pct=(q[-1] - q[0]) / med * 100,
+        repeats=len(times),
+        tokens_per_s=dims["B"] * dims["T"] / med,
+        gflops=flops / med / 1e9,
+        pct_of_peak=flops / med / 1e9 / peak * 100,
+        memory_mb=memory,
+    )
+
+
+def run_bench(
+    specs: list[OpSpec],
+    backends: list[str] | None,
+    shapes: list[dict[str, int]] | None,
+    dtype: str,
+    modes: list[str],
+    baseline: str,
+    device: torch.device,
+    on_row: Callable[[str], None] | None = None,
+) -> BenchReport:
+    peak = matmul_peak_gflops(device, torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype])
+    report = BenchReport(str(device), torch.get_num_threads(), peak)
+    for spec in specs:
+        names = backends or [bk.name for bk in spec.production_backends()] + [baseline]
+        chosen = [spec.backends[n] for n in dict.fromkeys(names) if n in spec.backends]
+        for dims in shapes or spec.bench_shapes:
+            for mode in modes:
+                rows = []
+                for bk in chosen:
+                    if on_row:
+                        on_row(f"{spec.name} {bk.name} {dims} {mode}")
+                    reason = bk.unavailable() if device.type in bk.devices else f"does not run on {device.type}"
+                    if reason is None and dtype == "fp64" and not bk.supports_fp64:
+                        reason = "no fp64 support"
+                    if reason is not None:
+                        rows.append(_skipped(spec, bk, dims, dtype, mode, reason))
+                        continue
+                    rows.append(bench_op(spec, bk, dims, dtype, mode, device, peak))
+                base = next((r for r in rows if r.backend == baseline and r.error is None), None)
+                for r in rows:
+                    if base is not None and r.error is None:
+                        r.speedup = base.median_ms / r.median_ms
+                report.rows.extend(rows)
+    return report
+
+
+def _skipped(spec, bk, dims, dtype, mode, reason) -> BenchRow:
+    nan = float("nan")
+    return BenchRow(spec.name, bk.name, dict(dims), dtype, mode, nan, nan, 0, nan, nan, nan, nan, error=reason)
