@@ -3,8 +3,9 @@
 MFU = tokens/s x train FLOPs per token / measured matmul peak, with train FLOPs
 per token = 6 x matmul weights + 28 N² per head per RWKV layer, the count
 `rwkvx init` prints (attention FLOPs not included). The time split comes from
-torch.profiler: self time of the recurrence ops (wkv7 and moba autograd
-functions), of matmul kernels, and everything else.
+torch.profiler: the self time of every event inside a recurrence op (the wkv7
+and moba autograd functions, forward and backward, with the aten calls they
+make), of the other matmul calls, and of everything else.
 """
 
 from __future__ import annotations
@@ -21,6 +22,14 @@ from rwkvx_cli.train.run import model_summary
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 RECURRENCE_MARKERS = ("WKV7", "Moba", "wkv7", "moba")
+
+
+def _inside_recurrence(event) -> bool:
+    while event is not None:
+        if any(m in event.name for m in RECURRENCE_MARKERS):
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def bench_model(config: Path, steps: int, device: torch.device) -> dict:
@@ -54,12 +63,12 @@ def bench_model(config: Path, steps: int, device: torch.device) -> dict:
         sync(device)
     use_cuda = device.type == "cuda"
     total = recurrence = matmul = 0.0
-    for e in prof.key_averages():
+    for e in prof.events():
         t = e.self_device_time_total if use_cuda else e.self_cpu_time_total
         total += t
-        if any(m in e.key for m in RECURRENCE_MARKERS):
+        if _inside_recurrence(e):  # the op's own work, including the aten calls it makes
             recurrence += t
-        elif e.key in MATMUL_OPS:
+        elif e.name in MATMUL_OPS:
             matmul += t
     total = max(total, 1e-9)
     summary = model_summary(model)
