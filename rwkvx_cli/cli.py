@@ -197,7 +197,7 @@ def init(
     """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer)."""
     from rwkvx_cli.config import load_config
     from rwkvx_cli.train import checkpoint as ck
-    from rwkvx_cli.train.run import ensure_data, model_summary, new_model, write_run_files
+    from rwkvx_cli.train.run import model_summary
 
     cfg = load_config(config, overrides or [])
     if out_dir is not None:
@@ -205,6 +205,15 @@ def init(
     run_dir = Path(cfg.run_dir)
     if ck.list_checkpoints(run_dir / "checkpoints"):
         raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
+    data, model = _open_run(cfg, run_dir)
+    ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
+    _print_summary(model_summary(model), run_dir)
+
+
+def _open_run(cfg, run_dir: Path):
+    """Prepare the data if needed (with a progress bar), build the model, write the run files."""
+    from rwkvx_cli.train.run import ensure_data, new_model, write_run_files
+
     progress, update = _data_progress()
     with progress:
         data = ensure_data(cfg, run_dir, update)
@@ -212,8 +221,7 @@ def init(
         out.print(_prepared_line(data.prepared))
     model = new_model(cfg)
     write_run_files(cfg, run_dir, data)
-    ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
-    _print_summary(model_summary(model), run_dir)
+    return data, model
 
 
 def _cfg_dict(cfg):
@@ -254,19 +262,13 @@ def train(
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import Trainer
     from rwkvx_cli.train.plot import plot_losses
-    from rwkvx_cli.train.run import ensure_data, model_summary, new_model, write_run_files
+    from rwkvx_cli.train.run import model_summary
 
     cfg = load_config(config, overrides or [])
     run_dir = Path(cfg.run_dir)
     if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints")):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
-    progress, update = _data_progress()
-    with progress:
-        data = ensure_data(cfg, run_dir, update)
-    if data.prepared is not None:
-        out.print(_prepared_line(data.prepared))
-    torch_model = new_model(cfg)
-    write_run_files(cfg, run_dir, data)
+    data, torch_model = _open_run(cfg, run_dir)
     trainer = Trainer(cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.bytes_per_token)
     if resume:
         step = trainer.resume()

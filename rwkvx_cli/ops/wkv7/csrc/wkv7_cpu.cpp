@@ -1,18 +1,24 @@
 // WKV7 forward and backward on the CPU: one (batch, head) per OpenMP task, the
-// N x N state kept in cache, every inner loop a unit-stride SIMD loop over the
-// key dimension j (row i of the state = value channel i).
+// N x N state kept in cache, every inner loop a unit-stride SIMD loop.
 //
 // Layout: inputs [B, T, H, N] contiguous; w is the effective decay exp(w_log),
-// computed by the caller with torch's vectorised exp; states
-// [B, H, N, N]; snapshots [B, H, n_chunks, N, N] hold the state *before* the
-// first step of each chunk. Backward recomputes a chunk's states from its
-// snapshot, then runs the reverse scan one row at a time:
+// computed by the caller with torch's vectorised exp; states [B, H, N, N] with
+// row i = value channel, column j = key channel; snapshots
+// [B, H, n_chunks, N, N] hold the state before the first step of each chunk.
+//
+// Forward runs on the transposed state (row = key channel), where S a and S r
+// become axpys over rows: no horizontal sums. Backward recomputes a chunk's
+// states from its snapshot ([value, key] layout), then runs the reverse scan
+// one row i at a time, so that five of its seven products are column sums
+// kept in registers and only dv and dsa need a horizontal sum:
 //   dS   += dy_t r_tᵀ
 //   dv_i  = dS_i · k        dsa_i = dS_i · b
 //   dr   += S_t,i dy_i      dk    += dS_i v_i      db += dS_i sa_i
 //   dw   += dS_i ⊙ S_prev,i da    += S_prev,i dsa_i
 //   dS_i  = dS_i ⊙ w + dsa_i a
-// (dw is then multiplied by w: the gradient of the log-decay).
+// (dw is then multiplied by w: the gradient of the log-decay). Head sizes 32,
+// 64 and 128 use compile-time N with explicit 64-byte vectors; others a generic
+// loop. Nothing divides by the decay, so any w in (0, 1] is exact.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -125,26 +131,20 @@ inline void backward_step_vec(F* __restrict dS, const F* __restrict St, const F*
   }
 }
 
-template <typename F, int NC>
-inline void step(F* __restrict S, F* __restrict sa, const F* __restrict r, const F* __restrict w,
-                 const F* __restrict k, const F* __restrict v, const F* __restrict a, const F* __restrict b,
-                 F* __restrict y, int n) {
-  const int N = NC ? NC : n;
+// The backward's recomputation of one step for any head size, in place, in the
+// [value, key] layout: S = S diag(w) + (S a) bᵀ + v kᵀ; keeps sa = S_prev a.
+template <typename F>
+inline void recompute_step(F* __restrict S, F* __restrict sa, const F* __restrict w, const F* __restrict k,
+                           const F* __restrict v, const F* __restrict a, const F* __restrict b, int N) {
   for (int i = 0; i < N; i++) {
     F* __restrict row = S + (int64_t)i * N;
     F s = 0;
 #pragma omp simd reduction(+ : s)
     for (int j = 0; j < N; j++) s += row[j] * a[j];
     const F vi = v[i];
-    F yi = 0;
-#pragma omp simd reduction(+ : yi)
-    for (int j = 0; j < N; j++) {
-      const F x = row[j] * w[j] + s * b[j] + vi * k[j];
-      row[j] = x;
-      yi += x * r[j];
-    }
-    if (sa) sa[i] = s;
-    if (y) y[i] = yi;
+#pragma omp simd
+    for (int j = 0; j < N; j++) row[j] = row[j] * w[j] + s * b[j] + vi * k[j];
+    sa[i] = s;
   }
 }
 
@@ -224,7 +224,7 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
                                     v + o, a + o, b + o);
         } else {
           std::memcpy(next, states.data() + (int64_t)s * NN, NN * sizeof(F));
-          step<F, NC>(next, sas.data() + (int64_t)s * N, r + o, w + o, k + o, v + o, a + o, b + o, nullptr, N);
+          recompute_step<F>(next, sas.data() + (int64_t)s * N, w + o, k + o, v + o, a + o, b + o, N);
         }
       }
       for (int s = L - 1; s >= 0; s--) {
