@@ -31,6 +31,9 @@ class Backend:
     summary: str
     production: bool = True
     devices: tuple[str, ...] = ("cpu", "cuda")
+    # Devices where "auto" may pick it (default: all of `devices`); a backend can run
+    # somewhere, for tests, without being the best choice there.
+    auto_devices: tuple[str, ...] | None = None
     supports_fp64: bool = True
     # Returns None when usable here, else a one-line reason (missing compiler...).
     unavailable: Callable[[], str | None] = lambda: None
@@ -118,7 +121,7 @@ def resolve_backend(spec: OpSpec, name: str, device: torch.device) -> Backend:
     if name == "auto":
         skipped = []
         for bk in spec.production_backends():
-            if device.type not in bk.devices:
+            if device.type not in (bk.auto_devices or bk.devices):
                 continue
             reason = bk.unavailable()
             if reason is None:

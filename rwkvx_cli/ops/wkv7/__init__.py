@@ -16,6 +16,7 @@ import torch
 from rwkvx_cli.ops._checks import check_same_layout, check_state
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register, resolve_backend
 from rwkvx_cli.ops.wkv7 import cpu
+from rwkvx_cli.ops.wkv7.chunked import wkv7_chunked
 from rwkvx_cli.ops.wkv7.recurrent import wkv7_recurrent
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
 
@@ -135,6 +136,13 @@ SPEC = register(
                 "fused C++ kernel (OpenMP over B*H, SIMD over N), snapshot every 16 steps, hand-written backward",
                 devices=("cpu",),
                 unavailable=cpu.unavailable,
+            ),
+            "chunked": Backend(
+                "chunked",
+                wkv7_chunked,
+                "pure-torch matmul form over 16-step chunks (pairwise log-space decays, a triangular solve), "
+                "autograd with per-chunk recomputation",
+                auto_devices=("cuda",),  # on CPU the fused kernel, or the step loop, is faster
             ),
             "recurrent": Backend(
                 "recurrent",
