@@ -15,7 +15,7 @@ import torch
 
 from rwkvx_cli.ops._checks import check_same_layout, check_state
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register, resolve_backend
-from rwkvx_cli.ops.wkv7 import cpu
+from rwkvx_cli.ops.wkv7 import cpu, fused_triton
 from rwkvx_cli.ops.wkv7.chunked import wkv7_chunked
 from rwkvx_cli.ops.wkv7.recurrent import wkv7_recurrent
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
@@ -136,6 +136,14 @@ SPEC = register(
                 "fused C++ kernel (OpenMP over B*H, SIMD over N), snapshot every 16 steps, hand-written backward",
                 devices=("cpu",),
                 unavailable=cpu.unavailable,
+            ),
+            "triton": Backend(
+                "triton",
+                fused_triton.wkv7_triton,
+                "fused recurrent Triton kernels: fp32 state rows in registers, snapshot every 16 steps, "
+                "hand-written backward",
+                auto_devices=("cuda",),
+                unavailable=fused_triton.unavailable,
             ),
             "chunked": Backend(
                 "chunked",

@@ -1,0 +1,253 @@
+"""WKV7 `triton` backend: fused recurrent Triton kernels, forward and backward.
+
+Each program owns a block of BV value rows of one (batch, head) state, kept in
+fp32 registers (fp64 for fp64 inputs), and walks the sequence: a state row evolves independently of the
+others (sa_i = S_i · a), so row blocks run in parallel. The forward saves a
+state snapshot every CHUNK steps; the backward recomputes each chunk's states
+into a scratch buffer and runs the reverse scan (formulas in recurrent.py). The
+per-column gradients (dr, dk, db, dw, da) are sums over rows, written per row
+block and summed by torch afterwards.
+
+Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
+checks it). Inputs fp32 or bf16; state and accumulation fp32. This is the
+RWKV-LM-style design; a chunked (WY, tensor-core) Triton kernel is still to come.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHUNK = 16
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
+    triton = None
+
+
+def unavailable() -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _fwd_kernel(
+        r,
+        w,
+        k,
+        v,
+        a,
+        b,
+        s0,
+        y,
+        s_out,
+        snaps,
+        T,
+        H,
+        N: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        CHUNK: tl.constexpr,
+        NC,
+        DT: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        iv = tl.program_id(1)
+        bi = bh // H
+        h = bh % H
+        rows = iv * BV + tl.arange(0, BV)
+        cols = tl.arange(0, BK)
+        mr = rows < N
+        mc = cols < N
+        m2 = mr[:, None] & mc[None, :]
+        off2 = rows[:, None] * N + cols[None, :]
+        S = tl.load(s0 + bh * N * N + off2, mask=m2, other=0.0).to(DT)
+        for t in range(T):
+            if t % CHUNK == 0:
+                tl.store(snaps + (bh * NC + t // CHUNK) * N * N + off2, S, mask=m2)
+            base = ((bi * T + t) * H + h) * N
+            rt = tl.load(r + base + cols, mask=mc, other=0.0).to(DT)
+            wt = tl.exp(tl.load(w + base + cols, mask=mc, other=0.0).to(DT))
+            kt = tl.load(k + base + cols, mask=mc, other=0.0).to(DT)
+            at = tl.load(a + base + cols, mask=mc, other=0.0).to(DT)
+            bt = tl.load(b + base + cols, mask=mc, other=0.0).to(DT)
+            vt = tl.load(v + base + rows, mask=mr, other=0.0).to(DT)
+            sa = tl.sum(S * at[None, :], axis=1)
+            S = S * wt[None, :] + sa[:, None] * bt[None, :] + vt[:, None] * kt[None, :]
+            yt = tl.sum(S * rt[None, :], axis=1)
+            tl.store(y + base + rows, yt.to(y.dtype.element_ty), mask=mr)
+        tl.store(s_out + bh * N * N + off2, S, mask=m2)
+
+    @triton.jit
+    def _bwd_kernel(
+        r,
+        w,
+        k,
+        v,
+        a,
+        b,
+        snaps,
+        dy,
+        ds_out,
+        scratch,
+        scratch_sa,
+        dv,
+        ds0,
+        dr_p,
+        dw_p,
+        dk_p,
+        da_p,
+        db_p,
+        T,
+        H,
+        PSTRIDE,
+        N: tl.constexpr,
+        BK: tl.constexpr,
+        BV: tl.constexpr,
+        CHUNK: tl.constexpr,
+        NC,
+        NV,
+        DT: tl.constexpr,
+    ):
+        bh = tl.program_id(0)
+        iv = tl.program_id(1)
+        bi = bh // H
+        h = bh % H
+        vrow = tl.arange(0, BV)
+        rows = iv * BV + vrow
+        cols = tl.arange(0, BK)
+        mr = rows < N
+        mc = cols < N
+        m2 = mr[:, None] & mc[None, :]
+        off2 = rows[:, None] * N + cols[None, :]
+        # This program's scratch: the chunk's CHUNK states [BV, BK] and sa vectors [BV].
+        scr = scratch + (bh * NV + iv) * CHUNK * BV * BK
+        scr_sa = scratch_sa + (bh * NV + iv) * CHUNK * BV
+        loc2 = vrow[:, None] * BK + cols[None, :]
+        part = iv * PSTRIDE  # this row block's slice of the column-sum partials [NV, B, T, H, N]
+        dS = tl.load(ds_out + bh * N * N + off2, mask=m2, other=0.0).to(DT)
+        for cc in range(NC):
+            c = NC - 1 - cc
+            t0 = c * CHUNK
+            S = tl.load(snaps + (bh * NC + c) * N * N + off2, mask=m2, other=0.0)
+            for i in range(CHUNK):  # recompute the chunk, keeping each S_{t-1} and sa_t
+                t = t0 + i
+                okc = (cols * 0 + t) < T  # vector masks: the last chunk may be partial
+                okr = (rows * 0 + t) < T
+                base = ((bi * T + t) * H + h) * N
+                wt = tl.exp(tl.load(w + base + cols, mask=mc & okc, other=0.0).to(DT))
+                kt = tl.load(k + base + cols, mask=mc & okc, other=0.0).to(DT)
+                at = tl.load(a + base + cols, mask=mc & okc, other=0.0).to(DT)
+                bt = tl.load(b + base + cols, mask=mc & okc, other=0.0).to(DT)
+                vt = tl.load(v + base + rows, mask=mr & okr, other=0.0).to(DT)
+                tl.store(scr + i * BV * BK + loc2, S)
+                sa = tl.sum(S * at[None, :], axis=1)
+                tl.store(scr_sa + i * BV + vrow, sa)
+                S = S * wt[None, :] + sa[:, None] * bt[None, :] + vt[:, None] * kt[None, :]
+            for j in range(CHUNK):  # the reverse scan over the chunk
+                i = CHUNK - 1 - j
+                t = t0 + i
+                okc = (cols * 0 + t) < T  # vector masks: the last chunk may be partial
+                okr = (rows * 0 + t) < T
+                base = ((bi * T + t) * H + h) * N
+                S_prev = tl.load(scr + i * BV * BK + loc2)
+                sa = tl.load(scr_sa + i * BV + vrow)
+                rt = tl.load(r + base + cols, mask=mc & okc, other=0.0).to(DT)
+                wt = tl.exp(tl.load(w + base + cols, mask=mc & okc, other=0.0).to(DT))
+                kt = tl.load(k + base + cols, mask=mc & okc, other=0.0).to(DT)
+                at = tl.load(a + base + cols, mask=mc & okc, other=0.0).to(DT)
+                bt = tl.load(b + base + cols, mask=mc & okc, other=0.0).to(DT)
+                vt = tl.load(v + base + rows, mask=mr & okr, other=0.0).to(DT)
+                dyt = tl.load(dy + base + rows, mask=mr & okr, other=0.0).to(DT)
+                S_t = S_prev * wt[None, :] + sa[:, None] * bt[None, :] + vt[:, None] * kt[None, :]
+                dS_t = dS + dyt[:, None] * rt[None, :]
+                dsa = tl.sum(dS_t * bt[None, :], axis=1)
+                tl.store(dv + base + rows, tl.sum(dS_t * kt[None, :], axis=1), mask=mr & okr)
+                pc = part + base + cols
+                tl.store(dr_p + pc, tl.sum(S_t * dyt[:, None], axis=0), mask=mc & okc)
+                tl.store(dk_p + pc, tl.sum(dS_t * vt[:, None], axis=0), mask=mc & okc)
+                tl.store(db_p + pc, tl.sum(dS_t * sa[:, None], axis=0), mask=mc & okc)
+                tl.store(dw_p + pc, tl.sum(dS_t * S_prev, axis=0) * wt, mask=mc & okc)
+                tl.store(da_p + pc, tl.sum(S_prev * dsa[:, None], axis=0), mask=mc & okc)
+                dS = tl.where(okr[:, None], dS_t * wt[None, :] + dsa[:, None] * at[None, :], dS)
+        tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
+
+
+def _blocks(N: int) -> tuple[int, int, int]:
+    """BK (columns, a power of two >= N), BV (rows per program), NV (row blocks)."""
+    BK = triton.next_power_of_2(N)
+    BV = min(BK, 32)
+    return BK, BV, triton.cdiv(N, BV)
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+class _WKV7Triton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, w, k, v, a, b, state):
+        B, T, H, N = r.shape
+        ins = [x.detach().contiguous() for x in (r, w, k, v, a, b)]
+        cdt, DT = _compute_dtype(r.dtype)
+        s0 = state.detach().to(cdt).contiguous()
+        BK, BV, NV = _blocks(N)
+        NC = triton.cdiv(T, CHUNK)
+        y = torch.empty_like(ins[0])
+        s_out = torch.empty_like(s0)
+        snaps = s0.new_empty(B, H, NC, N, N)
+        _fwd_kernel[(B * H, NV)](*ins, s0, y, s_out, snaps, T, H, N, BK, BV, CHUNK, NC, DT)
+        ctx.save_for_backward(*ins, snaps)
+        ctx.state_dtype = state.dtype
+        return y, s_out
+
+    @staticmethod
+    def backward(ctx, dy, ds_out):
+        *ins, snaps = ctx.saved_tensors
+        B, T, H, N = ins[0].shape
+        BK, BV, NV = _blocks(N)
+        NC = triton.cdiv(T, CHUNK)
+        cdt, DT = _compute_dtype(ins[0].dtype)
+        f32 = dict(dtype=cdt, device=dy.device)
+        scratch = torch.empty(B * H * NV * CHUNK * BV * BK, **f32)
+        scratch_sa = torch.empty(B * H * NV * CHUNK * BV, **f32)
+        dv = torch.empty(B, T, H, N, **f32)
+        ds0 = torch.empty(B, H, N, N, **f32)
+        partials = [torch.empty(NV, B, T, H, N, **f32) for _ in range(5)]  # dr, dw, dk, da, db
+        _bwd_kernel[(B * H, NV)](
+            *ins,
+            snaps,
+            dy.contiguous(),
+            ds_out.to(cdt).contiguous(),
+            scratch,
+            scratch_sa,
+            dv,
+            ds0,
+            *partials,
+            T,
+            H,
+            B * T * H * N,
+            N,
+            BK,
+            BV,
+            CHUNK,
+            NC,
+            NV,
+            DT,
+        )
+        dr, dw, dk, da, db = (p.sum(0) for p in partials)
+        dtype = ins[0].dtype
+        return (*(g.to(dtype) for g in (dr, dw, dk, dv, da, db)), ds0.to(ctx.state_dtype))
+
+
+def wkv7_triton(r, w, k, v, a, b, state):
+    return _WKV7Triton.apply(r, w, k, v, a, b, state)
