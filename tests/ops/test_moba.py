@@ -10,6 +10,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from rwkvx_cli.ops import get_op
 from rwkvx_cli.ops.moba import _gate_margin, moba
 from rwkvx_cli.ops.moba import sparse as sparse_module
+from rwkvx_cli.ops.moba import tiled as tiled_module
 
 SPEC = get_op("moba")
 BACKENDS = ["reference", *(bk.name for bk in SPEC.production_backends())]
@@ -48,11 +49,12 @@ def dense_causal(q, k, v):
         ((1, 20, 1, 4), 3, 100),
     ],
 )
-def test_fp64_sparse_equals_reference(monkeypatch, shape, chunk_size, top_k, block_elements):
+@pytest.mark.parametrize("backend", [bk.name for bk in SPEC.production_backends()])
+def test_fp64_backend_equals_reference(monkeypatch, backend, shape, chunk_size, top_k, block_elements):
     monkeypatch.setattr(sparse_module, "BLOCK_ELEMENTS", block_elements)
     x = make_inputs(*shape)
     y_ref, g_ref = run_with_grads("reference", x, chunk_size, top_k)
-    y, g = run_with_grads("sparse", x, chunk_size, top_k)
+    y, g = run_with_grads(backend, x, chunk_size, top_k)
     torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-12)
     for name, a, b in zip("qkv", g, g_ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"d{name}")
@@ -113,7 +115,7 @@ class _LargestTensor(TorchDispatchMode):
         return out
 
 
-def _memory(T, B=1, H=2, N=4, c=16, top_k=2):
+def _memory(T, B=1, H=2, N=4, c=16, top_k=2, backend="sparse"):
     q, k, v = (t.requires_grad_() for t in make_inputs(B, T, H, N, dtype=torch.float32))
     saved = []
 
@@ -122,7 +124,7 @@ def _memory(T, B=1, H=2, N=4, c=16, top_k=2):
         return t
 
     with _LargestTensor() as largest, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        moba(q, k, v, chunk_size=c, top_k=top_k, backend="sparse").sum().backward()
+        moba(q, k, v, chunk_size=c, top_k=top_k, backend=backend).sum().backward()
     return max(saved), largest.numel
 
 
@@ -137,6 +139,18 @@ def test_sparse_memory_is_linear_in_T():
     assert largest < B * H * 2048 * 2048 / 4
     # Doubling T twice multiplies it by about 4, not 16.
     assert largest <= 5 * _memory(512, B, H, N, c, top_k)[1]
+
+
+def test_tiled_memory_scales_with_T_times_top_k(monkeypatch):
+    monkeypatch.setattr(tiled_module, "SELECT_ELEMENTS", 1 << 15)  # keep the gate scores below the tiles
+    B, H, N, c, top_k, T = 1, 2, 4, 16, 2, 2048
+    saved, largest = _memory(T, B, H, N, c, top_k, backend="tiled")
+    # Tiles hold the selected pairs (B*H*T*top_k of them, plus at most one partial
+    # tile per key chunk) against one copy of their chunk: O(T * top_k * (c + N)).
+    pairs = B * H * T * top_k + B * H * (T // c) * tiled_module.TILE
+    assert saved <= pairs * max(c, N)
+    assert largest < B * H * T * T / 4
+    assert largest <= 5 * _memory(T // 4, B, H, N, c, top_k, backend="tiled")[1]
 
 
 def test_blocks_cap_the_largest_intermediate(monkeypatch):
@@ -169,10 +183,10 @@ def test_low_precision_returns_input_dtype(backend, dtype):
     torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
 
 
-def test_auto_is_the_sparse_backend():
-    assert SPEC.production_backends()[0].name == "sparse"
+def test_auto_is_the_tiled_backend():
+    assert SPEC.production_backends()[0].name == "tiled"
     x = make_inputs(1, 10, 1, 4)
-    assert torch.equal(moba(*x, chunk_size=3, top_k=1), moba(*x, chunk_size=3, top_k=1, backend="sparse"))
+    assert torch.equal(moba(*x, chunk_size=3, top_k=1), moba(*x, chunk_size=3, top_k=1, backend="tiled"))
 
 
 def test_bad_arguments_raise_value_error():

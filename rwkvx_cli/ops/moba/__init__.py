@@ -25,6 +25,7 @@ import torch
 from rwkvx_cli.ops._checks import check_same_layout
 from rwkvx_cli.ops.moba.reference import moba_reference
 from rwkvx_cli.ops.moba.sparse import moba_sparse
+from rwkvx_cli.ops.moba.tiled import moba_tiled
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register, resolve_backend
 
 INPUTS = ("q", "k", "v")
@@ -127,6 +128,12 @@ SPEC = register(
         # h ~ 2e-3 moves a gate score by at most ~4e-3, far below min_gap.
         fd_case=_case("finite_diff", 1, 10, 1, 4, chunk_size=3, top_k=1, qk=1.0, v=0.5, min_gap=0.03),
         backends={
+            "tiled": Backend(
+                "tiled",
+                moba_tiled,
+                "selected (query, chunk) pairs grouped by key chunk into tiles: one matmul per tile, "
+                "log-sum-exp merge, autograd",
+            ),
             "sparse": Backend(
                 "sparse",
                 moba_sparse,
