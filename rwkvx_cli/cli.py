@@ -9,12 +9,21 @@ from pathlib import Path
 from typing import Annotated
 
 import typer
-from rich.console import Console
-from rich.measure import Measurement
-from rich.table import Table
 
 from rwkvx_cli import __version__
 from rwkvx_cli.errors import RwkvxError, UsageError
+from rwkvx_cli.render import (
+    TrainView,
+    data_progress,
+    err,
+    fmt_count,
+    out,
+    prepared_line,
+    print_summary,
+    render_bench,
+    render_gradcheck,
+    render_model_bench,
+)
 
 app = typer.Typer(
     name="rwkvx",
@@ -23,8 +32,6 @@ app = typer.Typer(
     add_completion=False,
     pretty_exceptions_enable=False,
 )
-out = Console(highlight=False)
-err = Console(stderr=True, highlight=False)
 
 
 def reports_errors(fn):
@@ -41,18 +48,6 @@ def reports_errors(fn):
     return wrapper
 
 
-def print_wide(renderable) -> None:
-    """Print at the renderable's natural width, even past the terminal's: a table of
-    numbers with truncated cells is unreadable, a wrapped line is not."""
-    natural = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
-    if natural <= out.width:
-        out.print(renderable)
-        return
-    Console(
-        width=natural, file=out.file, highlight=False, color_system=out.color_system, force_terminal=out.is_terminal
-    ).print(renderable)
-
-
 def _version(value: bool) -> None:
     if value:
         out.print(f"rwkvx {__version__}")
@@ -66,49 +61,6 @@ def _root(
     ] = False,
 ) -> None:
     pass
-
-
-def _cell(col) -> str:
-    from rwkvx_cli.gradcheck import THRESHOLD
-
-    if col is None:
-        return "[dim]–[/]"
-    if col.vacuous:
-        return f"[bold red]vacuous {col.ref_max:.0e}[/]"
-    colour = "green" if col.max_rel < THRESHOLD else "bold red"
-    return f"[{colour}]{col.max_rel:.1e}[/]"
-
-
-def _render_gradcheck(report) -> None:
-    from rwkvx_cli.gradcheck import THRESHOLD, VACUOUS_BELOW
-
-    for backend in dict.fromkeys(r.backend for r in report.results):
-        rows = [r for r in report.results if r.backend == backend]
-        names = list(dict.fromkeys(c.name for r in rows for c in r.columns))
-        table = Table(title=f"gradcheck {report.op} · backend {backend} · seed {report.seed}", title_justify="left")
-        for head in ("gate", "case", "B×T×H×N"):
-            table.add_column(head, no_wrap=True)
-        for name in names:
-            table.add_column(name, justify="right", no_wrap=True)
-        table.add_column("worst rms", justify="right", no_wrap=True)
-        table.add_column("", no_wrap=True)
-        for r in rows:
-            by_name = {c.name: c for c in r.columns}
-            rms = max(c.rms_ratio for c in r.columns)
-            table.add_row(
-                f"{r.gate} {r.dtype.replace('float', 'fp')}",
-                r.case,
-                "×".join(str(v) for v in r.dims.values()),
-                *(_cell(by_name.get(n)) for n in names),
-                f"{rms:.1e}",
-                "[green]ok[/]" if r.passed else "[bold red]FAIL[/]",
-            )
-        print_wide(table)
-    out.print(
-        f"[dim]cells: max |g - ref| / (|ref| + 1e-6), pass < {THRESHOLD:g}; gate A vs the fp64 oracle, "
-        f"gate B vs central finite differences; a gradient whose reference max |g| <= {VACUOUS_BELOW:g} "
-        "is vacuous and fails[/]"
-    )
 
 
 @app.command()
@@ -147,7 +99,7 @@ def gradcheck(
     with err.status("gradcheck") as status:
         report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
     seconds = time.perf_counter() - start
-    _render_gradcheck(report)
+    render_gradcheck(report)
     verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
     out.print(
         f"{verdict} {report.op}: {len(report.results)} cases, {', '.join(b.name for b in backends)} in {seconds:.1f}s"
@@ -161,28 +113,6 @@ ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run
 Overrides = Annotated[
     list[str] | None, typer.Argument(help="Dotted overrides, e.g. train.lr=3e-4 model.n_layer=6.", show_default=False)
 ]
-
-
-def _data_progress():
-    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
-
-    progress = Progress(
-        "[progress.description]{task.description}",
-        BarColumn(),
-        DownloadColumn(),
-        TransferSpeedColumn(),
-        console=err,
-        transient=True,
-    )
-    task = progress.add_task("tokenizing", total=None)
-    return progress, lambda done, total: progress.update(task, completed=done, total=total)
-
-
-def _fmt_count(n: float) -> str:
-    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
-        if abs(n) >= div:
-            return f"{n / div:.2f}{unit}"
-    return f"{n:.0f}"
 
 
 @app.command()
@@ -207,18 +137,18 @@ def init(
         raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
     data, model = _open_run(cfg, run_dir)
     ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
-    _print_summary(model_summary(model), run_dir)
+    print_summary(model_summary(model), run_dir)
 
 
 def _open_run(cfg, run_dir: Path):
     """Prepare the data if needed (with a progress bar), build the model, write the run files."""
     from rwkvx_cli.train.run import ensure_data, new_model, write_run_files
 
-    progress, update = _data_progress()
+    progress, update = data_progress()
     with progress:
         data = ensure_data(cfg, run_dir, update)
     if data.prepared is not None:
-        out.print(_prepared_line(data.prepared))
+        out.print(prepared_line(data.prepared))
     model = new_model(cfg)
     write_run_files(cfg, run_dir, data)
     return data, model
@@ -228,22 +158,6 @@ def _cfg_dict(cfg):
     from rwkvx_cli.config import config_to_dict
 
     return config_to_dict(cfg)
-
-
-def _print_summary(summary: dict, run_dir: Path) -> None:
-    table = Table(title=f"model · blocks {summary['blocks']}", title_justify="left")
-    table.add_column("component")
-    table.add_column("parameters", justify="right")
-    for name, n in summary["by_component"].items():
-        table.add_row(name, _fmt_count(n))
-    table.add_row("[bold]total", f"[bold]{_fmt_count(summary['parameters'])}")
-    out.print(table)
-    out.print(
-        f"forward FLOPs/token {_fmt_count(summary['forward_flops_per_token'])} · "
-        f"train FLOPs/token {_fmt_count(summary['train_flops_per_token'])} · "
-        f"recurrent state {summary['state_bytes_per_sequence_fp32'] / 1024:.1f} KiB/sequence (fp32)"
-    )
-    out.print(f"run directory: {run_dir}")
 
 
 @app.command()
@@ -279,7 +193,7 @@ def train(
             metrics.unlink()
     summary = model_summary(torch_model)
     out.print(
-        f"training {_fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}: "
+        f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}: "
         f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {run_dir}"
     )
     stop = {"requested": False}
@@ -288,7 +202,7 @@ def train(
         stop["requested"] = True
 
     old_handler = signal.signal(signal.SIGINT, on_signal)
-    view = _TrainView(cfg.total_steps)
+    view = TrainView(cfg.total_steps)
     try:
         with Live(view.render(), console=out, refresh_per_second=4, transient=False) as live:
 
@@ -318,38 +232,6 @@ def train(
     sample = data.tokenizer.decode(generate(trainer.model, data.tokenizer.encode("\n"), 200, 1.0, 0.85, cfg.train.seed))
     out.print("[dim]sample:[/]")
     out.print(sample, markup=False)
-
-
-class _TrainView:
-    def __init__(self, total_steps: int):
-        self.total, self.m, self.ema, self.val, self.ckpt = total_steps, None, None, None, None
-
-    def update(self, kind, m) -> None:
-        if kind == "checkpoint":
-            self.ckpt = m.step
-            return
-        self.m = m
-        self.ema = m.loss if self.ema is None else 0.95 * self.ema + 0.05 * m.loss
-        if m.val_loss is not None:
-            self.val = (m.val_loss, m.val_bpb)
-
-    def render(self):
-        from rich.progress_bar import ProgressBar
-
-        table = Table.grid(padding=(0, 2))
-        if self.m is None:
-            table.add_row("starting...")
-            return table
-        m = self.m
-        rate = m.tokens_per_s
-        eta = m.tokens and (self.total * m.tokens / m.step - m.tokens) / max(rate, 1e-9)
-        val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
-        table.add_row(ProgressBar(total=self.total, completed=m.step, width=40), f"step {m.step}/{self.total}")
-        table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
-        table.add_row("lr", f"{m.lr:.2e}", "grad norm", f"{m.grad_norm:.3f}")
-        table.add_row("tokens/s", f"{rate:,.0f}", "ETA", f"{eta:,.0f}s")
-        table.add_row("peak mem", f"{m.peak_mem_mb:,.0f} MiB", "checkpoint", f"step {self.ckpt}" if self.ckpt else "–")
-        return table
 
 
 @app.command("eval")
@@ -461,7 +343,7 @@ def bench(
         from rwkvx_cli.bench_model import bench_model
 
         result = bench_model(model, steps, dev)
-        _render_model_bench(result)
+        render_model_bench(result)
         _write_json(json_path, result)
         return
     if dtype not in DTYPES:
@@ -484,7 +366,7 @@ def bench(
             s.update({"chunk_size": 64, "top_k": 2, "min_gap": 0})
     with err.status("bench") as status:
         report = run_bench(specs, backend, shapes, dtype, modes, baseline, dev, on_row=status.update)
-    _render_bench(report, baseline)
+    render_bench(report, baseline)
     _write_json(json_path, report.to_dict())
 
 
@@ -497,61 +379,6 @@ def _write_json(path: Path | None, data) -> None:
         atomic_write_text(path, json.dumps(data, indent=2) + "\n")
     except OSError as e:
         raise RwkvxError(f"cannot write {path}: {e.strerror}") from None
-
-
-def _render_bench(report, baseline: str) -> None:
-    table = Table(
-        title=f"bench · {report.device} · {report.threads} threads · matmul peak {report.matmul_gflops:,.0f} GFLOP/s",
-        title_justify="left",
-    )
-    for head in ("op", "backend", "shape", "dtype", "mode"):
-        table.add_column(head, no_wrap=True)
-    for head in ("median ms", "± spread", "tokens/s", "GFLOP/s", "% peak", "mem MiB", f"x {baseline}"):
-        table.add_column(head, justify="right", no_wrap=True)
-    for r in report.rows:
-        shape = "×".join(str(r.dims[d]) for d in "BTHN")
-        if r.error:
-            table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 6)
-            continue
-        table.add_row(
-            r.op,
-            r.backend,
-            shape,
-            r.dtype,
-            r.mode,
-            f"{r.median_ms:,.2f}",
-            f"{r.spread_pct:.0f}%",
-            f"{r.tokens_per_s:,.0f}",
-            f"{r.gflops:,.1f}",
-            f"{r.pct_of_peak:.1f}",
-            f"{r.memory_mb:,.1f}",
-            f"{r.speedup:,.1f}" if r.speedup is not None else "–",
-        )
-    print_wide(table)
-    out.print(
-        "[dim]GFLOP/s counts each op's useful FLOPs (README: kernels); % peak divides by the matmul rate measured "
-        "above; mem = bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
-    )
-
-
-def _render_model_bench(r: dict) -> None:
-    table = Table(title=f"bench --model {r['config']} · {r['device']}", title_justify="left")
-    table.add_column("figure")
-    table.add_column("value", justify="right")
-    for key, label in (
-        ("tokens_per_s", "tokens/s"),
-        ("step_ms", "ms / step"),
-        ("recurrence_pct", "recurrence (wkv7/moba) %"),
-        ("matmul_pct", "matmuls %"),
-        ("other_pct", "other %"),
-        ("train_flops_per_token", "train FLOPs / token"),
-        ("matmul_gflops", "matmul peak GFLOP/s"),
-        ("mfu_pct", "MFU %"),
-    ):
-        val = r[key]
-        table.add_row(label, f"{val:,.1f}" if isinstance(val, float) else f"{val:,}")
-    out.print(table)
-    out.print(f"[dim]{r['mfu_formula']}[/]")
 
 
 data_app = typer.Typer(help="Prepare tokenized data.", no_args_is_help=True)
@@ -571,7 +398,7 @@ def data_prepare(
     """Tokenize text/JSONL into RWKV-LM binidx (.bin + .idx) with a validation split."""
     from rwkvx_cli.data import prepare
 
-    progress, update = _data_progress()
+    progress, update = data_progress()
     with progress:
         stats = prepare(
             list(inputs),
@@ -582,15 +409,7 @@ def data_prepare(
             seed=seed,
             progress=update,
         )
-    out.print(_prepared_line(stats))
-
-
-def _prepared_line(stats) -> str:
-    return (
-        f"prepared {stats.documents:,} documents, {stats.bytes / 1e6:.2f} MB -> {stats.train_tokens:,} train + "
-        f"{stats.val_tokens:,} val tokens ({stats.tokenizer_kind} tokenizer, vocab {stats.vocab_size:,}) "
-        f"at {stats.mb_per_s:.1f} MB/s into {stats.out_dir}"
-    )
+    out.print(prepared_line(stats))
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):

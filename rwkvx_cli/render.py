@@ -1,0 +1,203 @@
+"""Rendering for the command line (rich): tables, live views, progress bars.
+
+Kept apart from cli.py so that the commands read as parse -> call -> render.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from rich.console import Console
+from rich.measure import Measurement
+from rich.table import Table
+
+out = Console(highlight=False)
+err = Console(stderr=True, highlight=False)
+
+
+def print_wide(renderable) -> None:
+    """Print at the renderable's natural width, even past the terminal's: a table of
+    numbers with truncated cells is unreadable, a wrapped line is not."""
+    natural = Measurement.get(out, out.options.update_width(10_000), renderable).maximum
+    if natural <= out.width:
+        out.print(renderable)
+        return
+    Console(
+        width=natural, file=out.file, highlight=False, color_system=out.color_system, force_terminal=out.is_terminal
+    ).print(renderable)
+
+
+def gradcheck_cell(col) -> str:
+    from rwkvx_cli.gradcheck import THRESHOLD
+
+    if col is None:
+        return "[dim]–[/]"
+    if col.vacuous:
+        return f"[bold red]vacuous {col.ref_max:.0e}[/]"
+    colour = "green" if col.max_rel < THRESHOLD else "bold red"
+    return f"[{colour}]{col.max_rel:.1e}[/]"
+
+
+def render_gradcheck(report) -> None:
+    from rwkvx_cli.gradcheck import THRESHOLD, VACUOUS_BELOW
+
+    for backend in dict.fromkeys(r.backend for r in report.results):
+        rows = [r for r in report.results if r.backend == backend]
+        names = list(dict.fromkeys(c.name for r in rows for c in r.columns))
+        table = Table(title=f"gradcheck {report.op} · backend {backend} · seed {report.seed}", title_justify="left")
+        for head in ("gate", "case", "B×T×H×N"):
+            table.add_column(head, no_wrap=True)
+        for name in names:
+            table.add_column(name, justify="right", no_wrap=True)
+        table.add_column("worst rms", justify="right", no_wrap=True)
+        table.add_column("", no_wrap=True)
+        for r in rows:
+            by_name = {c.name: c for c in r.columns}
+            rms = max(c.rms_ratio for c in r.columns)
+            table.add_row(
+                f"{r.gate} {r.dtype.replace('float', 'fp')}",
+                r.case,
+                "×".join(str(v) for v in r.dims.values()),
+                *(gradcheck_cell(by_name.get(n)) for n in names),
+                f"{rms:.1e}",
+                "[green]ok[/]" if r.passed else "[bold red]FAIL[/]",
+            )
+        print_wide(table)
+    out.print(
+        f"[dim]cells: max |g - ref| / (|ref| + 1e-6), pass < {THRESHOLD:g}; gate A vs the fp64 oracle, "
+        f"gate B vs central finite differences; a gradient whose reference max |g| <= {VACUOUS_BELOW:g} "
+        "is vacuous and fails[/]"
+    )
+
+
+def data_progress():
+    from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
+
+    progress = Progress(
+        "[progress.description]{task.description}",
+        BarColumn(),
+        DownloadColumn(),
+        TransferSpeedColumn(),
+        console=err,
+        transient=True,
+    )
+    task = progress.add_task("tokenizing", total=None)
+    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+
+
+def fmt_count(n: float) -> str:
+    for unit, div in (("G", 1e9), ("M", 1e6), ("k", 1e3)):
+        if abs(n) >= div:
+            return f"{n / div:.2f}{unit}"
+    return f"{n:.0f}"
+
+
+def print_summary(summary: dict, run_dir: Path) -> None:
+    table = Table(title=f"model · blocks {summary['blocks']}", title_justify="left")
+    table.add_column("component")
+    table.add_column("parameters", justify="right")
+    for name, n in summary["by_component"].items():
+        table.add_row(name, fmt_count(n))
+    table.add_row("[bold]total", f"[bold]{fmt_count(summary['parameters'])}")
+    out.print(table)
+    out.print(
+        f"forward FLOPs/token {fmt_count(summary['forward_flops_per_token'])} · "
+        f"train FLOPs/token {fmt_count(summary['train_flops_per_token'])} · "
+        f"recurrent state {summary['state_bytes_per_sequence_fp32'] / 1024:.1f} KiB/sequence (fp32)"
+    )
+    out.print(f"run directory: {run_dir}")
+
+
+class TrainView:
+    def __init__(self, total_steps: int):
+        self.total, self.m, self.ema, self.val, self.ckpt = total_steps, None, None, None, None
+
+    def update(self, kind, m) -> None:
+        if kind == "checkpoint":
+            self.ckpt = m.step
+            return
+        self.m = m
+        self.ema = m.loss if self.ema is None else 0.95 * self.ema + 0.05 * m.loss
+        if m.val_loss is not None:
+            self.val = (m.val_loss, m.val_bpb)
+
+    def render(self):
+        from rich.progress_bar import ProgressBar
+
+        table = Table.grid(padding=(0, 2))
+        if self.m is None:
+            table.add_row("starting...")
+            return table
+        m = self.m
+        rate = m.tokens_per_s
+        eta = m.tokens and (self.total * m.tokens / m.step - m.tokens) / max(rate, 1e-9)
+        val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
+        table.add_row(ProgressBar(total=self.total, completed=m.step, width=40), f"step {m.step}/{self.total}")
+        table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
+        table.add_row("lr", f"{m.lr:.2e}", "grad norm", f"{m.grad_norm:.3f}")
+        table.add_row("tokens/s", f"{rate:,.0f}", "ETA", f"{eta:,.0f}s")
+        table.add_row("peak mem", f"{m.peak_mem_mb:,.0f} MiB", "checkpoint", f"step {self.ckpt}" if self.ckpt else "–")
+        return table
+
+
+def render_bench(report, baseline: str) -> None:
+    table = Table(
+        title=f"bench · {report.device} · {report.threads} threads · matmul peak {report.matmul_gflops:,.0f} GFLOP/s",
+        title_justify="left",
+    )
+    for head in ("op", "backend", "shape", "dtype", "mode"):
+        table.add_column(head, no_wrap=True)
+    for head in ("median ms", "± spread", "tokens/s", "GFLOP/s", "% peak", "mem MiB", f"x {baseline}"):
+        table.add_column(head, justify="right", no_wrap=True)
+    for r in report.rows:
+        shape = "×".join(str(r.dims[d]) for d in "BTHN")
+        if r.error:
+            table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 6)
+            continue
+        table.add_row(
+            r.op,
+            r.backend,
+            shape,
+            r.dtype,
+            r.mode,
+            f"{r.median_ms:,.2f}",
+            f"{r.spread_pct:.0f}%",
+            f"{r.tokens_per_s:,.0f}",
+            f"{r.gflops:,.1f}",
+            f"{r.pct_of_peak:.1f}",
+            f"{r.memory_mb:,.1f}",
+            f"{r.speedup:,.1f}" if r.speedup is not None else "–",
+        )
+    print_wide(table)
+    out.print(
+        "[dim]GFLOP/s counts each op's useful FLOPs (README: kernels); % peak divides by the matmul rate measured "
+        "above; mem = bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
+    )
+
+
+def render_model_bench(r: dict) -> None:
+    table = Table(title=f"bench --model {r['config']} · {r['device']}", title_justify="left")
+    table.add_column("figure")
+    table.add_column("value", justify="right")
+    for key, label in (
+        ("tokens_per_s", "tokens/s"),
+        ("step_ms", "ms / step"),
+        ("recurrence_pct", "recurrence (wkv7/moba) %"),
+        ("matmul_pct", "matmuls %"),
+        ("other_pct", "other %"),
+        ("train_flops_per_token", "train FLOPs / token"),
+        ("matmul_gflops", "matmul peak GFLOP/s"),
+        ("mfu_pct", "MFU %"),
+    ):
+        val = r[key]
+        table.add_row(label, f"{val:,.1f}" if isinstance(val, float) else f"{val:,}")
+    out.print(table)
+    out.print(f"[dim]{r['mfu_formula']}[/]")
+
+
+def prepared_line(stats) -> str:
+    return (
+        f"prepared {stats.documents:,} documents, {stats.bytes / 1e6:.2f} MB -> {stats.train_tokens:,} train + "
+        f"{stats.val_tokens:,} val tokens ({stats.tokenizer_kind} tokenizer, vocab {stats.vocab_size:,}) "
+        f"at {stats.mb_per_s:.1f} MB/s into {stats.out_dir}"
+    )
