@@ -29,20 +29,28 @@ from torch.autograd.function import once_differentiable
 BLOCK_ELEMENTS = 1 << 24
 
 
-def moba_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, top_k: int) -> torch.Tensor:
+def to_chunks(q, k, v, chunk_size: int, top_k: int):
+    """[B, T, H, N] inputs -> [B*H, n_chunks, c, N] each, zero-padded to whole chunks,
+    in fp32 (fp64 for fp64 inputs); and the number of earlier-chunk slots per query."""
     B, T, H, N = q.shape
-    c = chunk_size
-    n_chunks = -(-T // c)
+    n_chunks = -(-T // chunk_size)
     # Every earlier chunk is complete, so at most n_chunks - 1 of them are candidates.
     slots = n_chunks - 1 if top_k <= 0 else min(top_k, n_chunks - 1)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    pad = n_chunks * c - T
+    pad = n_chunks * chunk_size - T
 
-    def heads_first(x):  # [B, T, H, N] -> [B*H, n_chunks, c, N], zero-padded to whole chunks
+    def chunks(x):
         x = F.pad(x.to(acc).transpose(1, 2), (0, 0, 0, pad))
-        return x.reshape(B * H, n_chunks, c, N).contiguous()
+        return x.reshape(B * H, n_chunks, chunk_size, N).contiguous()
 
-    qc, kc, vc = heads_first(q), heads_first(k), heads_first(v)
+    return chunks(q), chunks(k), chunks(v), slots
+
+
+def moba_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, top_k: int) -> torch.Tensor:
+    B, T, H, N = q.shape
+    c = chunk_size
+    qc, kc, vc, slots = to_chunks(q, k, v, c, top_k)
+    n_chunks = qc.shape[1]
     # Largest per-block intermediates: the gathered keys and the gate scores.
     block = max(1, BLOCK_ELEMENTS // (B * H * c * ((slots + 1) * c * N + n_chunks)))
     y = _MobaFunction.apply(qc, kc, vc, slots, block)

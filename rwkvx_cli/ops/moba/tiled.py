@@ -16,9 +16,8 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 
-from rwkvx_cli.ops.moba.sparse import _select
+from rwkvx_cli.ops.moba.sparse import _select, to_chunks
 
 TILE = 32
 SELECT_ELEMENTS = 1 << 22
@@ -44,16 +43,10 @@ def _pack(group: torch.Tensor, n_groups: int, tile: int):
 def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, top_k: int) -> torch.Tensor:
     B, T, H, N = q.shape
     c = chunk_size
-    n_chunks = -(-T // c)
-    slots = n_chunks - 1 if top_k <= 0 else min(top_k, n_chunks - 1)
-    acc = torch.float64 if q.dtype == torch.float64 else torch.float32
+    qc, kc, vc, slots = to_chunks(q, k, v, c, top_k)
+    n_chunks = qc.shape[1]
     Z, Tp = B * H, n_chunks * c
     scale = 1.0 / math.sqrt(N)
-
-    def chunks(x):  # [B, T, H, N] -> [Z, n_chunks, c, N], zero-padded to whole chunks
-        return F.pad(x.to(acc).transpose(1, 2), (0, 0, 0, Tp - T)).reshape(Z, n_chunks, c, N)
-
-    qc, kc, vc = chunks(q), chunks(k), chunks(v)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
     s_own = (qc @ kc.transpose(-1, -2) * scale).masked_fill(causal, -math.inf)
     lse_own = torch.logsumexp(s_own, dim=-1).reshape(-1)  # [Z*Tp]
