@@ -39,6 +39,17 @@ def unavailable() -> str | None:
 if triton is not None:
 
     @triton.jit
+    def _step_inputs(r, w, k, v, a, b, base, cols, rows, mc, mr, DT: tl.constexpr):
+        """One step's r, decay = exp(w), k, a, b over the key columns, and v over this block's rows."""
+        rt = tl.load(r + base + cols, mask=mc, other=0.0).to(DT)
+        wt = tl.exp(tl.load(w + base + cols, mask=mc, other=0.0).to(DT))
+        kt = tl.load(k + base + cols, mask=mc, other=0.0).to(DT)
+        at = tl.load(a + base + cols, mask=mc, other=0.0).to(DT)
+        bt = tl.load(b + base + cols, mask=mc, other=0.0).to(DT)
+        vt = tl.load(v + base + rows, mask=mr, other=0.0).to(DT)
+        return rt, wt, kt, at, bt, vt
+
+    @triton.jit
     def _fwd_kernel(
         r,
         w,
@@ -74,12 +85,7 @@ if triton is not None:
             if t % CHUNK == 0:
                 tl.store(snaps + (bh * NC + t // CHUNK) * N * N + off2, S, mask=m2)
             base = ((bi * T + t) * H + h) * N
-            rt = tl.load(r + base + cols, mask=mc, other=0.0).to(DT)
-            wt = tl.exp(tl.load(w + base + cols, mask=mc, other=0.0).to(DT))
-            kt = tl.load(k + base + cols, mask=mc, other=0.0).to(DT)
-            at = tl.load(a + base + cols, mask=mc, other=0.0).to(DT)
-            bt = tl.load(b + base + cols, mask=mc, other=0.0).to(DT)
-            vt = tl.load(v + base + rows, mask=mr, other=0.0).to(DT)
+            rt, wt, kt, at, bt, vt = _step_inputs(r, w, k, v, a, b, base, cols, rows, mc, mr, DT)
             sa = tl.sum(S * at[None, :], axis=1)
             S = S * wt[None, :] + sa[:, None] * bt[None, :] + vt[:, None] * kt[None, :]
             yt = tl.sum(S * rt[None, :], axis=1)
@@ -143,11 +149,7 @@ if triton is not None:
                 okc = (cols * 0 + t) < T  # vector masks: the last chunk may be partial
                 okr = (rows * 0 + t) < T
                 base = ((bi * T + t) * H + h) * N
-                wt = tl.exp(tl.load(w + base + cols, mask=mc & okc, other=0.0).to(DT))
-                kt = tl.load(k + base + cols, mask=mc & okc, other=0.0).to(DT)
-                at = tl.load(a + base + cols, mask=mc & okc, other=0.0).to(DT)
-                bt = tl.load(b + base + cols, mask=mc & okc, other=0.0).to(DT)
-                vt = tl.load(v + base + rows, mask=mr & okr, other=0.0).to(DT)
+                _, wt, kt, at, bt, vt = _step_inputs(r, w, k, v, a, b, base, cols, rows, mc & okc, mr & okr, DT)
                 tl.store(scr + i * BV * BK + loc2, S)
                 sa = tl.sum(S * at[None, :], axis=1)
                 tl.store(scr_sa + i * BV + vrow, sa)
@@ -160,12 +162,7 @@ if triton is not None:
                 base = ((bi * T + t) * H + h) * N
                 S_prev = tl.load(scr + i * BV * BK + loc2)
                 sa = tl.load(scr_sa + i * BV + vrow)
-                rt = tl.load(r + base + cols, mask=mc & okc, other=0.0).to(DT)
-                wt = tl.exp(tl.load(w + base + cols, mask=mc & okc, other=0.0).to(DT))
-                kt = tl.load(k + base + cols, mask=mc & okc, other=0.0).to(DT)
-                at = tl.load(a + base + cols, mask=mc & okc, other=0.0).to(DT)
-                bt = tl.load(b + base + cols, mask=mc & okc, other=0.0).to(DT)
-                vt = tl.load(v + base + rows, mask=mr & okr, other=0.0).to(DT)
+                rt, wt, kt, at, bt, vt = _step_inputs(r, w, k, v, a, b, base, cols, rows, mc & okc, mr & okr, DT)
                 dyt = tl.load(dy + base + rows, mask=mr & okr, other=0.0).to(DT)
                 S_t = S_prev * wt[None, :] + sa[:, None] * bt[None, :] + vt[:, None] * kt[None, :]
                 dS_t = dS + dyt[:, None] * rt[None, :]
