@@ -179,24 +179,24 @@ class Trainer:
             g["lr"] = lr * g["lr_scale"]
         x, y = self.sampler.batch(self.step)
         x, y = x.to(self.device), y.to(self.device)
-        total = 0.0
+        total = torch.zeros((), device=self.device)
         for micro in range(t.grad_accum):
             rows = slice(micro * t.micro_batch, (micro + 1) * t.micro_batch)
             with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                 logits, state = self.forward(x[rows], self.carry[micro])
             if t.tbptt:
                 self.carry[micro] = [
-                    BlockState(s.att_shift.detach(), s.wkv.detach(), s.ffn_shift.detach()) if s is not None else None
+                    BlockState(*(getattr(s, f).detach() for f in CARRY_FIELDS)) if s is not None else None
                     for s in state
                 ]
             loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y[rows].flatten())
             (loss / t.grad_accum).backward()
-            total += loss.item() / t.grad_accum
+            total += loss.detach() / t.grad_accum  # one host sync per step, not per micro-batch
         norm = torch.nn.utils.clip_grad_norm_(self.model.parameters(), t.grad_clip)
         self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
-        return total, lr, float(norm)
+        return total.item(), lr, float(norm)
 
     def run(self, on_event: Callable[[str, StepMetrics], None] | None = None, should_stop=lambda: False) -> StepMetrics:
         cfg, t = self.cfg, self.cfg.train
