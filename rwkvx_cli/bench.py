@@ -99,17 +99,11 @@ def bench_op(
     }
     for name in spec.states:  # states stay fp32 (fp64 for fp64 runs)
         tensors[name] = tensors[name].to(torch.float64 if dtype == "fp64" else torch.float32)
-    kwargs = spec.kwargs(case)
     grad = mode == "fwdbwd"
     leaves = {n: t.detach().requires_grad_(grad) for n, t in tensors.items()}
 
     def call():
-        inputs = [leaves[n] for n in spec.inputs]
-        if not spec.states:
-            return bk.fn(*inputs, **kwargs), ()
-        states = [leaves[n] for n in spec.states]
-        y, s = bk.fn(*inputs, states[0] if len(states) == 1 else tuple(states), **kwargs)
-        return y, s if isinstance(s, tuple) else (s,)
+        return spec.call(bk, leaves, case)
 
     def step():
         for t in leaves.values():
@@ -163,7 +157,8 @@ def run_bench(
     for spec in specs:
         names = backends or [bk.name for bk in spec.production_backends()] + [baseline]
         chosen = [spec.backends[n] for n in dict.fromkeys(names) if n in spec.backends]
-        for dims in shapes or spec.bench_shapes:
+        for shape in shapes or spec.bench_shapes:
+            dims = {**spec.bench_options, **shape}
             for mode in modes:
                 rows = []
                 for bk in chosen:

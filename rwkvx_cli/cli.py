@@ -183,7 +183,7 @@ def train(
     if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints")):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     data, torch_model = _open_run(cfg, run_dir)
-    trainer = Trainer(cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.bytes_per_token)
+    trainer = Trainer(cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.tokenizer)
     if resume:
         step = trainer.resume()
         err.print(f"resumed from step {step}" if step else "no checkpoint to resume from: starting at step 0")
@@ -252,7 +252,6 @@ def eval_cmd(
     from rwkvx_cli.models import LM
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
-    from rwkvx_cli.train.run import bytes_per_token
 
     path = ck.resolve_checkpoint(checkpoint)
     meta = ck.read_meta(path)
@@ -268,7 +267,7 @@ def eval_cmd(
     val.check_vocab(cfg.model.vocab_size)
     start = time.perf_counter()
     t = cfg.train
-    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, bytes_per_token(tokenizer, val))
+    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, tokenizer)
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = meta["step"]
     ev["checkpoint"] = str(path)
@@ -361,9 +360,6 @@ def bench(
             if name not in spec.backends:
                 raise UsageError(f"unknown backend {name!r} for {spec.name}; valid: {', '.join(spec.backends)}")
     shapes = [_parse_shape(s) for s in shape] if shape else None
-    if shapes and any(spec.name == "moba" for spec in specs):
-        for s in shapes:  # attention options for ops that take them
-            s.update({"chunk_size": 64, "top_k": 2, "min_gap": 0})
     with err.status("bench") as status:
         report = run_bench(specs, backend, shapes, dtype, modes, baseline, dev, on_row=status.update)
     render_bench(report, baseline)

@@ -104,22 +104,6 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, is_grad: bool) -> C
     return Column(name, max_rel, rms_ratio, ref.abs().max().item(), is_grad)
 
 
-def _as_tuple(x) -> tuple[torch.Tensor, ...]:
-    return tuple(x) if isinstance(x, (tuple, list)) else (x,)
-
-
-def _run(spec: OpSpec, tensors: Tensors, bk: Backend, case: Case) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-    """Call the backend itself (not the public function), so a spec can carry
-    backends that are not registered, such as the planted bugs of the tests."""
-    inputs = [tensors[n] for n in spec.inputs]
-    kwargs = spec.kwargs(case)
-    if not spec.states:
-        return bk.fn(*inputs, **kwargs), ()
-    states = tuple(tensors[n] for n in spec.states)
-    y, state_out = bk.fn(*inputs, states if len(states) > 1 else states[0], **kwargs)
-    return y, _as_tuple(state_out)
-
-
 def _loss(y, states_out, cot: list[torch.Tensor]) -> torch.Tensor:
     outs = (y, *states_out)
     return sum((o.to(c.dtype) * c).sum() for o, c in zip(outs, cot, strict=True))
@@ -137,7 +121,7 @@ def _cotangents(spec: OpSpec, y, states_out, gen: torch.Generator) -> list[torch
 
 def _grads(spec: OpSpec, tensors: Tensors, backend: Backend, case: Case, dtype: torch.dtype, cot) -> tuple:
     leaves = {n: t.detach().to(dtype).requires_grad_(True) for n, t in tensors.items()}
-    y, states_out = _run(spec, leaves, backend, case)
+    y, states_out = spec.call(backend, leaves, case)
     _loss(y, states_out, [c.to(dtype) for c in cot]).backward()
     grads = {n: leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]) for n in leaves}
     return y.detach(), tuple(s.detach() for s in states_out), grads
@@ -154,7 +138,7 @@ def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
     # Round the sample to fp32 first, so both sides see identical inputs.
     tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
     with torch.no_grad():
-        y0, s0 = _run(spec, tensors, ref, case)
+        y0, s0 = spec.call(ref, tensors, case)
     cot = _cotangents(spec, y0, s0, gen)
     y_ref, s_ref, g_ref = _grads(spec, tensors, ref, case, torch.float64, cot)
     y, s, g = _grads(spec, tensors, bk, case, torch.float32, cot)
@@ -171,13 +155,13 @@ def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
     gen = torch.Generator().manual_seed(seed)
     tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
     with torch.no_grad():
-        y0, s0 = _run(spec, tensors, ref, case)
+        y0, s0 = spec.call(ref, tensors, case)
     cot = _cotangents(spec, y0, s0, gen)
     dtype = torch.float64 if bk.supports_fp64 else torch.float32
     _, _, g = _grads(spec, tensors, bk, case, dtype, cot)
 
     def loss() -> float:
-        y, states_out = _run(spec, tensors, ref, case)
+        y, states_out = spec.call(ref, tensors, case)
         return _loss(y, states_out, cot).item()
 
     cols = []

@@ -13,7 +13,7 @@ import numbers
 import os
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -161,13 +161,6 @@ def prepare(
     # Written last: a directory with meta.json is complete.
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
     return stats
-
-
-def stats_dict(stats: PrepareStats) -> dict:
-    d = asdict(stats)
-    d["out_dir"] = str(stats.out_dir)
-    d["mb_per_s"] = stats.mb_per_s
-    return d
 
 
 def _check_val_fraction(val_fraction) -> None:

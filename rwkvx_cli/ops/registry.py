@@ -75,10 +75,25 @@ class OpSpec:
     # (recomputation not counted), and the shapes `rwkvx bench` measures by default.
     flops: Callable[[dict[str, int], str], float] = lambda dims, mode: float("nan")
     bench_shapes: tuple[dict[str, int], ...] = ()
+    # Options every benchmarked shape of this op carries besides B, T, H, N
+    # (attention chunk size, top-k), for the default shapes and `--shape` alike.
+    bench_options: dict[str, int] = field(default_factory=dict)
     # Keyword options a case passes to the backends (e.g. chunk size, top-k).
     kwargs: Callable[[Case], dict[str, object]] = lambda case: {}
     # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
     derived: dict[str, Callable[[Tensors, Tensors], torch.Tensor]] = field(default_factory=dict)
+
+    def call(self, bk: Backend, tensors: Tensors, case: Case) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        """Run backend `bk` on named tensors with the case's options: (y, states_out as a tuple).
+        Calls the backend itself, not the public function, so a spec may carry backends
+        that are not registered (the tests' planted bugs)."""
+        inputs = [tensors[n] for n in self.inputs]
+        kwargs = self.kwargs(case)
+        if not self.states:
+            return bk.fn(*inputs, **kwargs), ()
+        states = tuple(tensors[n] for n in self.states)
+        y, state_out = bk.fn(*inputs, states if len(states) > 1 else states[0], **kwargs)
+        return y, tuple(state_out) if isinstance(state_out, (tuple, list)) else (state_out,)
 
     def production_backends(self) -> list[Backend]:
         return [bk for bk in self.backends.values() if bk.production]

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
+import numpy as np
 import torch
 
 from rwkvx_cli.config import Config, config_to_dict
@@ -59,8 +60,9 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, device, bytes_per_token: float) -> dict:
-    """Mean next-token loss over consecutive windows of the split (up to max_tokens)."""
+def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, device, tokenizer) -> dict:
+    """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
+    bits per byte over exactly the UTF-8 bytes of the tokens it predicted."""
     model.eval()
     total, count = 0.0, 0
     xs, ys = [], []
@@ -87,21 +89,23 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, devic
         flush()
     model.train()
     loss = total / max(count, 1)
+    arr = tokens.tokens if hasattr(tokens, "tokens") else tokens
+    n_bytes = len(tokenizer.decode(np.asarray(arr[1 : count + 1]).tolist()).encode("utf-8"))
     return {
         "loss": loss,
         "ppl": math.exp(min(loss, 50.0)),
-        "bpb": loss / math.log(2) / bytes_per_token,
+        "bpb": total / math.log(2) / max(n_bytes, 1),
         "tokens": count,
     }
 
 
 class Trainer:
-    def __init__(self, cfg: Config, run_dir: Path, model: LM, train_tokens, val_tokens, bytes_per_token: float):
+    def __init__(self, cfg: Config, run_dir: Path, model: LM, train_tokens, val_tokens, tokenizer):
         self.cfg, self.run_dir = cfg, Path(run_dir)
         self.device = pick_device(cfg.train.device)
         self.model = model.to(self.device)
         self.train_tokens, self.val_tokens = train_tokens, val_tokens
-        self.bytes_per_token = bytes_per_token
+        self.tokenizer = tokenizer
         t = cfg.train
         groups = parameter_groups(model, t.lr, t.weight_decay)
         self.optimizer = torch.optim.AdamW(
@@ -237,5 +241,5 @@ class Trainer:
     def validate(self) -> dict:
         t = self.cfg.train
         return evaluate(
-            self.model, self.val_tokens, t.ctx_len, t.micro_batch, t.eval_tokens, self.device, self.bytes_per_token
+            self.model, self.val_tokens, t.ctx_len, t.micro_batch, t.eval_tokens, self.device, self.tokenizer
         )

@@ -25,7 +25,6 @@ class RunData:
     train: object
     val: object
     tokenizer: object
-    bytes_per_token: float
     data_dir: Path
     prepared: PrepareStats | None  # set when this call tokenized the corpus
 
@@ -66,12 +65,7 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
         raise DataError(
             f"the validation split has {len(val.tokens)} tokens, fewer than train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
         )
-    return RunData(train, val, tokenizer, bytes_per_token(tokenizer, val), data_dir, stats)
-
-
-def bytes_per_token(tokenizer, split) -> float:
-    """UTF-8 bytes per token of a split, for bits per byte = loss / ln 2 / bytes_per_token."""
-    return len(tokenizer.decode(split.tokens.tolist()).encode("utf-8")) / max(len(split.tokens), 1)
+    return RunData(train, val, tokenizer, data_dir, stats)
 
 
 def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:

@@ -148,10 +148,8 @@ SPEC = register(
         },
         cotangent_scales=(0.08,),
         flops=_flops,
-        bench_shapes=(
-            {"B": 1, "T": 1024, "H": 4, "N": 64, "chunk_size": 64, "top_k": 2, "min_gap": 0},
-            {"B": 1, "T": 4096, "H": 4, "N": 64, "chunk_size": 64, "top_k": 2, "min_gap": 0},
-        ),
+        bench_shapes=({"B": 1, "T": 1024, "H": 4, "N": 64}, {"B": 1, "T": 4096, "H": 4, "N": 64}),
+        bench_options={"chunk_size": 64, "top_k": 2, "min_gap": 0},
         kwargs=lambda case: {"chunk_size": case.options["chunk_size"], "top_k": case.options["top_k"]},
     )
 )
