@@ -155,7 +155,8 @@ def run_bench(
     peak = matmul_peak_gflops(device, torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype])
     report = BenchReport(str(device), torch.get_num_threads(), peak)
     for spec in specs:
-        names = backends or [bk.name for bk in spec.production_backends()] + [baseline]
+        peers = [bk.name for bk in spec.peer_backends() if device.type in bk.devices and bk.unavailable() is None]
+        names = backends or [bk.name for bk in spec.production_backends()] + peers + [baseline]
         chosen = [spec.backends[n] for n in dict.fromkeys(names) if n in spec.backends]
         for shape in shapes or spec.bench_shapes:
             dims = {**spec.bench_options, **shape}

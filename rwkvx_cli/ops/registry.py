@@ -30,6 +30,9 @@ class Backend:
     fn: Callable
     summary: str
     production: bool = True
+    # A third-party implementation of the same math (not production): benched by
+    # default as a comparison row wherever it can run, never picked by "auto".
+    peer: bool = False
     devices: tuple[str, ...] = ("cpu", "cuda")
     # Devices where "auto" may pick it (default: all of `devices`); a backend can run
     # somewhere, for tests, without being the best choice there.
@@ -97,6 +100,9 @@ class OpSpec:
 
     def production_backends(self) -> list[Backend]:
         return [bk for bk in self.backends.values() if bk.production]
+
+    def peer_backends(self) -> list[Backend]:
+        return [bk for bk in self.backends.values() if bk.peer]
 
 
 _OPS: dict[str, OpSpec] = {}

@@ -15,7 +15,7 @@ import torch
 
 from rwkvx_cli.ops._checks import check_same_layout, check_state
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register, resolve_backend
-from rwkvx_cli.ops.wkv7 import cpu, fused_triton
+from rwkvx_cli.ops.wkv7 import cpu, fused_triton, peer
 from rwkvx_cli.ops.wkv7.chunked import wkv7_chunked
 from rwkvx_cli.ops.wkv7.recurrent import wkv7_recurrent
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
@@ -156,6 +156,16 @@ SPEC = register(
                 "recurrent",
                 wkv7_recurrent,
                 "torch step loop over B*H, state snapshot every 16 steps, hand-written backward",
+            ),
+            "fla": Backend(
+                "fla",
+                peer.wkv7_fla,
+                "peer: fla's chunk_rwkv7 (chunked DPLR Triton kernels), a comparison row where installed",
+                production=False,
+                peer=True,
+                devices=("cuda",),
+                supports_fp64=False,
+                unavailable=peer.fla_unavailable,
             ),
             "reference": Backend(
                 "reference",
