@@ -15,7 +15,7 @@ import torch
 
 from rwkvx_cli.ops._checks import check_same_layout, check_state
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register, resolve_backend
-from rwkvx_cli.ops.wkv7 import cpu, fused_triton, peer
+from rwkvx_cli.ops.wkv7 import chunked_triton, cpu, fused_triton, peer
 from rwkvx_cli.ops.wkv7.chunked import wkv7_chunked
 from rwkvx_cli.ops.wkv7.recurrent import wkv7_recurrent
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
@@ -144,6 +144,16 @@ SPEC = register(
                 "hand-written backward",
                 auto_devices=("cuda",),
                 unavailable=fused_triton.unavailable,
+            ),
+            "triton_chunked": Backend(
+                "triton_chunked",
+                chunked_triton.wkv7_triton_chunked,
+                "chunked WY-form Triton kernels over 16-step chunks (tl.dot, pairwise log-space decays), "
+                "chunk-boundary states saved, hand-written backward",
+                # Never chosen by "auto" yet: it sits after `triton`, which needs the same things,
+                # and an unset auto_devices would let auto pick it on CPU under the interpreter.
+                auto_devices=("cuda",),
+                unavailable=chunked_triton.unavailable,
             ),
             "chunked": Backend(
                 "chunked",
