@@ -136,6 +136,8 @@ def init(
     if ck.list_checkpoints(run_dir / "checkpoints"):
         raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
     data, model = _open_run(cfg, run_dir)
+    if cfg.train.init_from:
+        ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
     ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
     print_summary(model_summary(model), run_dir)
 
@@ -154,6 +156,10 @@ def _open_run(cfg, run_dir: Path):
     return data, model
 
 
+def _warn_skipped(path: Path, reason: str) -> None:
+    err.print(f"[yellow]warning:[/] skipping damaged checkpoint {path.name}: {reason}", soft_wrap=True)
+
+
 def _cfg_dict(cfg):
     from rwkvx_cli.config import config_to_dict
 
@@ -167,68 +173,105 @@ def train(
     overrides: Overrides = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
 ) -> None:
-    """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl."""
+    """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl.
+    Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
+    from rwkvx_cli.config import load_config
+    from rwkvx_cli.train import distributed
+
+    cfg = load_config(config, overrides or [])
+    info = distributed.from_env()
+    device = distributed.init(info, cfg.train.device)
+    if not info.is_main:
+        out.quiet = True  # rank 0 reports; errors (stderr) still come from every rank
+    try:
+        _train(cfg, resume, info, device)
+    finally:
+        distributed.shutdown()
+
+
+def _train(cfg, resume: bool, info, device) -> None:
+    import contextlib
     import signal
 
     from rich.live import Live
 
-    from rwkvx_cli.config import load_config
     from rwkvx_cli.train import checkpoint as ck
+    from rwkvx_cli.train import distributed
     from rwkvx_cli.train.loop import Trainer
     from rwkvx_cli.train.plot import plot_losses
-    from rwkvx_cli.train.run import model_summary
+    from rwkvx_cli.train.run import ensure_data, model_summary, new_model
 
-    cfg = load_config(config, overrides or [])
     run_dir = Path(cfg.run_dir)
     if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints")):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
-    data, torch_model = _open_run(cfg, run_dir)
-    trainer = Trainer(cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.tokenizer)
+    if info.is_main:
+        data, torch_model = _open_run(cfg, run_dir)
+    distributed.barrier()  # rank 0 has prepared the data and written the run files
+    if not info.is_main:
+        data, torch_model = ensure_data(cfg, run_dir), new_model(cfg)
+    trainer = Trainer(
+        cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.tokenizer, dist=info, device=device
+    )
+    step = 0
     if resume:
-        step = trainer.resume()
-        err.print(f"resumed from step {step}" if step else "no checkpoint to resume from: starting at step 0")
-    else:
-        metrics = run_dir / "metrics.jsonl"
-        if metrics.exists():
-            metrics.unlink()
+        step = trainer.resume(_warn_skipped)
+        if info.is_main:
+            err.print(f"resumed from step {step}" if step else "no checkpoint to resume from: starting at step 0")
+    elif info.is_main:
+        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    if step == 0 and cfg.train.init_from:
+        trainer.load_initial(cfg.train.init_from)
     summary = model_summary(torch_model)
+    ranks = f" x {info.world_size} ranks ({cfg.train.distributed})" if info.launched else ""
     out.print(
-        f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}: "
+        f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}{ranks}: "
         f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {run_dir}"
     )
     stop = {"requested": False}
 
     def on_signal(signum, frame):
-        stop["requested"] = True
+        stop["requested"] = True  # finish the step, checkpoint, exit 0
 
-    old_handler = signal.signal(signal.SIGINT, on_signal)
+    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     view = TrainView(cfg.total_steps)
+    live = Live(view.render(), console=out, refresh_per_second=4, transient=False) if info.is_main else None
     try:
-        with Live(view.render(), console=out, refresh_per_second=4, transient=False) as live:
+        with live or contextlib.nullcontext():
 
             def on_event(kind, m):
+                if kind == "skipped":
+                    err.print(
+                        f"[yellow]warning:[/] step {m.step}: non-finite loss or gradient (loss {m.loss}, "
+                        f"gradient norm {m.grad_norm}); step skipped ({m.skipped_steps} so far)"
+                    )
+                    return
                 view.update(kind, m)
-                live.update(view.render())
+                if live is not None:
+                    live.update(view.render())
 
             last = trainer.run(on_event, should_stop=lambda: stop["requested"])
     finally:
-        signal.signal(signal.SIGINT, old_handler)
+        for sig, handler in old_handlers.items():
+            signal.signal(sig, handler)
     if not out.is_terminal:
         out.print()  # the final live frame ends without a newline when piped
     if last is None:
         out.print("nothing to do: the run is already complete")
         return
-    if stop["requested"]:
+    if stop["requested"] or trainer.step < cfg.total_steps:
         out.print(f"interrupted: checkpoint saved at step {trainer.step}; continue with --resume")
         return
-    plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
+    if info.is_main:
+        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
     ev = trainer.validate()
+    skipped = f", {trainer.skipped_steps} non-finite steps skipped" if trainer.skipped_steps else ""
     out.print(
         f"[bold]done[/]: step {trainer.step}, val loss {ev['loss']:.4f}, val bits/byte {ev['bpb']:.4f}, "
-        f"{last.tokens_per_s:,.0f} tokens/s"
+        f"{last.tokens_per_s:,.0f} tokens/s{skipped}"
     )
     from rwkvx_cli.models.generate import generate
 
+    # Every rank samples the same text (a sharded model needs them all); rank 0 prints it.
     sample = data.tokenizer.decode(generate(trainer.model, data.tokenizer.encode("\n"), 200, 1.0, 0.85, cfg.train.seed))
     out.print("[dim]sample:[/]")
     out.print(sample, markup=False)
@@ -253,7 +296,7 @@ def eval_cmd(
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
 
-    path = ck.resolve_checkpoint(checkpoint)
+    path = ck.resolve_checkpoint(checkpoint, _warn_skipped)
     meta = ck.read_meta(path)
     cfg = config_from_dict(meta["config"])
     model = LM(cfg.model)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 import types
 import typing
 from dataclasses import dataclass, field
@@ -20,6 +21,10 @@ class ConfigError(UsageError):
     """A bad configuration (exit code 2)."""
 
 
+# Block kinds a layer pattern may use: the time mix of each (the channel mix is RWKV's).
+LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
+
+
 @dataclass
 class ModelConfig:
     vocab_size: int = 257
@@ -31,6 +36,27 @@ class ModelConfig:
     moba_chunk: int = 64
     # Earlier chunks each query attends besides its own (seed 000's convention; <= 0: all).
     moba_top_k: int = 2
+    # The stack, bottom to top, as a list of kinds (LAYER_KINDS) or a compact string such
+    # as "rwkv7*2,moba,gdn*2"; empty = RWKV-X's rule on n_layer and n_attn. When given,
+    # n_layer and n_attn follow from it (n_attn = the moba blocks, n_layer = the rest).
+    layers: list[str] = field(default_factory=list)
+    # rwkv8 blocks: one value head (the block input) shared by every head, or one per head.
+    rwkv8_shared_value: bool = True
+
+
+def expand_layers(spec: list[str]) -> list[str]:
+    """["rwkv7*2,moba", "gdn"] -> ["rwkv7", "rwkv7", "moba", "gdn"]; bad kinds or counts raise."""
+    kinds = []
+    for item in spec:
+        for token in str(item).split(","):
+            name, _, count = token.strip().partition("*")
+            name = name.strip()
+            if name not in LAYER_KINDS:
+                raise ConfigError(f"model.layers: unknown layer kind {name!r}{_nearest(name, list(LAYER_KINDS))}")
+            if count and not (count.strip().isdigit() and int(count) >= 1):
+                raise ConfigError(f"model.layers: {token.strip()!r}: the repeat count must be a positive integer")
+            kinds += [name] * (int(count) if count else 1)
+    return kinds
 
 
 @dataclass
@@ -67,6 +93,16 @@ class TrainConfig:
     tbptt: bool = False
     device: str = "auto"  # auto, cpu, cuda
     compile: bool = False
+    # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards parameters,
+    # gradients and optimizer state across ranks (FSDP2 `fully_shard`) for models that do not fit one device.
+    distributed: str = "ddp"
+    # A step whose loss or gradient norm is not finite: "stop" with an error, or "skip" it
+    # (no update, counted in metrics.jsonl) and stop anyway after `nonfinite_limit` in a row.
+    nonfinite: str = "stop"
+    nonfinite_limit: int = 20
+    # Start from these weights instead of the seeded init: a checkpoint or run directory,
+    # a .safetensors file, or an RWKV-LM .pth state dict (loaded with weights_only=True).
+    init_from: str = ""
 
 
 @dataclass
@@ -78,22 +114,46 @@ class Config:
 
     def validate(self) -> None:
         m, t, d = self.model, self.train, self.data
+        if m.layers:
+            m.layers = expand_layers(m.layers)
+            n_attn, n_rest = m.layers.count("moba"), len(m.layers) - m.layers.count("moba")
+            defaults = ModelConfig()
+            for name, derived in (("n_layer", n_rest), ("n_attn", n_attn)):
+                given = getattr(m, name)
+                if given not in (derived, getattr(defaults, name)):
+                    raise ConfigError(
+                        f"model.{name}: {given} disagrees with model.layers ({derived}); set one of the two"
+                    )
+                setattr(m, name, derived)
+            if n_rest == 0:
+                raise ConfigError("model.layers: needs at least one recurrent layer besides moba")
         checks = [
+            (m.n_embd >= 1, "model.n_embd", "must be >= 1"),
             (m.head_size >= 1, "model.head_size", "must be >= 1"),
             (m.n_embd % max(m.head_size, 1) == 0, "model.n_embd", f"{m.n_embd} is not divisible by model.head_size"),
             (m.n_layer >= 1, "model.n_layer", "must be >= 1"),
             (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
-            (0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
+            (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
             (t.tokens >= 1, "train.tokens", "must be >= 1"),
             (t.lr > 0, "train.lr", "must be > 0"),
+            (t.lr_final >= 0, "train.lr_final", "must be >= 0"),
+            (t.warmup_tokens >= 0, "train.warmup_tokens", "must be >= 0"),
+            (t.weight_decay >= 0, "train.weight_decay", "must be >= 0"),
+            (all(0 <= b < 1 for b in t.betas), "train.betas", "must be in [0, 1)"),
+            (t.eps >= 0, "train.eps", "must be >= 0"),
+            (t.grad_clip > 0, "train.grad_clip", "must be > 0"),
+            (t.eval_tokens >= 1, "train.eval_tokens", "must be >= 1"),
             (t.keep_last >= 1, "train.keep_last", "must be >= 1"),
             (t.eval_interval >= 1, "train.eval_interval", "must be >= 1"),
             (t.ckpt_interval >= 1, "train.ckpt_interval", "must be >= 1"),
             (t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda"),
+            (t.distributed in ("ddp", "fsdp"), "train.distributed", "must be ddp or fsdp"),
+            (t.nonfinite in ("stop", "skip"), "train.nonfinite", "must be stop or skip"),
+            (t.nonfinite_limit >= 1, "train.nonfinite_limit", "must be >= 1"),
             (0 < d.val_fraction < 1, "data.val_fraction", "must be between 0 and 1"),
             (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
         ]
@@ -144,7 +204,9 @@ def _coerce(value, tp, where: str):
         except ValueError:
             raise ConfigError(f"{where}: expected {tp.__name__}, got {value!r}") from None
     if tp is float and isinstance(value, int) and not isinstance(value, bool):
-        return float(value)
+        value = float(value)
+    if tp is float and isinstance(value, float) and not math.isfinite(value):
+        raise ConfigError(f"{where}: expected a finite number, got {value!r}")
     if tp is int and isinstance(value, float) and value.is_integer():
         return int(value)  # 2e6 written for a token count
     if tp in (int, float, str, bool) and not (isinstance(value, tp) and not (tp is int and isinstance(value, bool))):
@@ -170,7 +232,7 @@ def _set_dotted(data: dict, override: str) -> None:
     key, raw = override.split("=", 1)
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
-    except yaml.YAMLError:
+    except (yaml.YAMLError, RecursionError):
         value = raw
     node = data
     parts = key.strip().split(".")
@@ -203,15 +265,19 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
     if path is not None:
         path = Path(path)
         try:
-            text = path.read_text()
+            text = path.read_text(encoding="utf-8")
         except OSError as e:
             raise ConfigError(f"cannot read config {path}: {e.strerror}") from None
+        except UnicodeDecodeError as e:
+            raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
         try:
             data = yaml.safe_load(text) or {}
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark else ""
             raise ConfigError(f"{path}: invalid YAML{at}") from None
+        except RecursionError:
+            raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
     for override in overrides:

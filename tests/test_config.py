@@ -1,6 +1,21 @@
-import pytest
+import dataclasses
+from pathlib import Path
 
-from rwkvx_cli.config import ConfigError, config_from_dict, config_to_dict, load_config
+import pytest
+import yaml
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from rwkvx_cli.config import (
+    Config,
+    ConfigError,
+    DataConfig,
+    ModelConfig,
+    TrainConfig,
+    config_from_dict,
+    config_to_dict,
+    load_config,
+)
 
 
 def test_defaults_and_dotted_overrides(tmp_path):
@@ -52,3 +67,89 @@ def test_shipped_configs_load():
     for name in ("tiny", "tiny-rwkvx", "gpu-L12-D768"):
         cfg = load_config(f"configs/{name}.yaml")
         assert cfg.total_steps >= 1
+
+
+# -- fuzzing: every input is a valid Config or a ConfigError with a one-line message ----------------
+
+_fuzz = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+_SECTIONS = {"model": ModelConfig, "data": DataConfig, "train": TrainConfig}
+_KEYS = [f"{s}.{f.name}" for s, cls in _SECTIONS.items() for f in dataclasses.fields(cls)] + ["run_dir"]
+_scalars = (
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats()
+    | st.text(max_size=12)
+    | st.sampled_from(["ddp", "fsdp", "skip", "stop", "cpu", "auto", "1e-3", "nan", ".inf", "2e6"])
+)
+_values = st.recursive(
+    _scalars,
+    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=8), inner, max_size=3),
+    max_leaves=6,
+)
+
+
+def _load_or_config_error(load) -> None:
+    try:
+        cfg = load()
+    except ConfigError as e:
+        assert str(e) and "\n" not in str(e) and e.exit_code == 2
+        return
+    assert isinstance(cfg, Config)
+    assert config_from_dict(config_to_dict(cfg)) == cfg  # a valid config round-trips
+
+
+def _nearby_key(key: str, data) -> str:
+    """A valid dotted key, or one with a typo (a character dropped, doubled or replaced)."""
+    how = data.draw(st.sampled_from(["same", "drop", "double", "replace", "section"]))
+    if how == "same" or len(key) < 2:
+        return key
+    i = data.draw(st.integers(0, len(key) - 1))
+    if how == "drop":
+        return key[:i] + key[i + 1 :]
+    if how == "double":
+        return key[:i] + key[i] + key[i:]
+    if how == "replace":
+        return key[:i] + data.draw(st.sampled_from("abcxyz_.0")) + key[i + 1 :]
+    return data.draw(st.sampled_from(["modle", "trian", "dat", "x"])) + "." + key.split(".")[-1]
+
+
+@_fuzz
+@given(data=st.data())
+def test_fuzz_overrides(data):
+    overrides = []
+    for _ in range(data.draw(st.integers(1, 4))):
+        key = _nearby_key(data.draw(st.sampled_from(_KEYS)), data)
+        raw = data.draw(
+            st.text(max_size=16) | _values.map(lambda v: yaml.safe_dump(v, default_flow_style=True).strip())
+        )
+        overrides.append(f"{key}={raw}" if data.draw(st.integers(0, 9)) else key)
+    _load_or_config_error(lambda: load_config(None, overrides))
+
+
+@_fuzz
+@given(data=st.data())
+def test_fuzz_structured_yaml(tmp_path, data):
+    tree: dict = {}
+    for _ in range(data.draw(st.integers(0, 5))):
+        key = _nearby_key(data.draw(st.sampled_from(_KEYS)), data)
+        parts = key.split(".")
+        node = tree
+        for part in parts[:-1]:
+            node = node.setdefault(part, {}) if isinstance(node.get(part, {}), dict) else {}
+        node[parts[-1]] = data.draw(_values)
+    if data.draw(st.booleans()):
+        tree = data.draw(st.sampled_from([tree, [tree], "text", 3]))
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(tree))
+    _load_or_config_error(lambda: load_config(path))
+
+
+@_fuzz
+@given(raw=st.binary(max_size=200) | st.text(max_size=200).map(str.encode), cut=st.integers(0, 400))
+def test_fuzz_random_and_truncated_files(tmp_path, raw, cut):
+    path = tmp_path / "c.yaml"
+    shipped = Path("configs/tiny.yaml").read_bytes()
+    for content in (raw, shipped[:cut], shipped[:cut] + raw):
+        path.write_bytes(content)
+        _load_or_config_error(lambda: load_config(path))

@@ -1,16 +1,22 @@
 """Checkpoints: tensors in safetensors, everything else in JSON; never pickle.
 
 Layout: <run>/checkpoints/step_00000100/{model.safetensors, optimizer.safetensors,
-meta.json}. A checkpoint is written under a temporary name, its files fsynced,
-then the directory is renamed into place, so a crash never leaves a partial
-checkpoint under a real name; `meta.json` is written last and marks it complete.
+[extra.safetensors], meta.json}. A checkpoint is written under a temporary name, its
+files fsynced, then the directory is renamed into place, so a crash never leaves a
+partial checkpoint under a real name. `meta.json` is written last and lists every
+file's size and SHA-256: a checkpoint counts only when meta.json is complete, and it
+is used only when every file matches. Loading takes the newest such checkpoint and
+falls back to older ones past a damaged one (which is renamed `corrupt-step_...`).
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
+import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -20,13 +26,14 @@ from safetensors.torch import load_file, save_file
 from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.fsio import atomic_write_text, fsync_dir, fsync_path
 
+META_FORMAT = 2  # 2: meta.json lists files with sizes and SHA-256; 1 (no "files"): checked by loading
+
 
 class CheckpointError(RwkvxError):
     pass
 
 
-def _optimizer_tensors(opt: torch.optim.Optimizer) -> tuple[dict[str, torch.Tensor], dict]:
-    sd = opt.state_dict()
+def _optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
     tensors = {}
     scalars = {}
     for idx, st in sd["state"].items():
@@ -49,27 +56,53 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        while chunk := f.read(1 << 22):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _meta_digest(meta: dict) -> str:
+    """SHA-256 of meta.json's own content (without this field), so a damaged but parseable one is caught."""
+    body = {k: v for k, v in meta.items() if k != "meta_sha256"}
+    return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
+
+
+def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+
+
 def save_checkpoint(
-    ckpt_root: Path, step: int, model, optimizer, meta: dict, keep_last: int, extra: dict | None = None
+    ckpt_root: Path, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None = None
 ) -> Path:
-    """`extra`: more tensors to keep (e.g. the TBPTT carry), written to extra.safetensors."""
+    """`weights`: a module or its state_dict; `optimizer`: an optimizer, its state_dict, or None.
+    `extra`: more tensors to keep (e.g. the TBPTT carry), written to extra.safetensors."""
     ckpt_root.mkdir(parents=True, exist_ok=True)
+    for stale in ckpt_root.glob(".tmp-step_*"):  # left by a crash mid-write
+        shutil.rmtree(stale, ignore_errors=True)
     final = ckpt_root / f"step_{step:08d}"
     tmp = ckpt_root / f".tmp-step_{step:08d}"
-    shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir()
-    weights = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-    save_file(weights, tmp / "model.safetensors")
-    fsync_path(tmp / "model.safetensors")
+    if isinstance(weights, torch.nn.Module):
+        weights = weights.state_dict()
+    files = {"model.safetensors": _cpu(weights)}
     if optimizer is not None:
-        opt_tensors, opt_meta = _optimizer_tensors(optimizer)
-        save_file(opt_tensors, tmp / "optimizer.safetensors")
-        fsync_path(tmp / "optimizer.safetensors")
+        sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
+        opt_tensors, opt_meta = _optimizer_tensors(sd)
+        files["optimizer.safetensors"] = opt_tensors
         meta = {**meta, "optimizer": opt_meta}
     if extra:
-        save_file({k: v.detach().cpu().contiguous() for k, v in extra.items()}, tmp / "extra.safetensors")
-        fsync_path(tmp / "extra.safetensors")
-    atomic_write_text(tmp / "meta.json", json.dumps({**meta, "step": step}, indent=2) + "\n")
+        files["extra.safetensors"] = _cpu(extra)
+    listing = {}
+    for name, tensors in files.items():
+        save_file(tensors, tmp / name)
+        fsync_path(tmp / name)
+        listing[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+    meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
+    meta["meta_sha256"] = _meta_digest(meta)
+    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
     if final.exists():
         shutil.rmtree(final)
     os.replace(tmp, final)
@@ -83,74 +116,227 @@ def step_of(ckpt: Path) -> int:
     return int(ckpt.name.split("_")[1])
 
 
+def _is_step_dir(p: Path) -> bool:
+    name = p.name
+    return name.startswith("step_") and len(name) >= 13 and name[5:].isdigit()
+
+
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints (those with meta.json), oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [p for p in ckpt_root.glob("step_*") if (p / "meta.json").is_file()]
-    return sorted(found, key=lambda p: p.name)
-
-
-def resolve_checkpoint(path: Path) -> Path:
-    """A checkpoint directory from itself, a run directory (its latest) or a checkpoints folder."""
-    path = Path(path)
-    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
-        return path
-    for root in (path / "checkpoints", path):
-        found = list_checkpoints(root)
-        if found:
-            return found[-1]
-    raise CheckpointError(f"no checkpoint found at {path}")
+    found = [p for p in ckpt_root.glob("step_*") if _is_step_dir(p) and (p / "meta.json").is_file()]
+    return sorted(found, key=step_of)
 
 
 def read_meta(ckpt: Path) -> dict:
+    """meta.json, checked to have the fields every reader relies on."""
+    path = ckpt / "meta.json"
     try:
-        return json.loads((ckpt / "meta.json").read_text())
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{ckpt / 'meta.json'} is unreadable: {e}") from None
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
+        raise CheckpointError(f"{path} is unreadable: {e}") from None
+    if not isinstance(meta, dict):
+        raise CheckpointError(f"{path} is not a JSON object")
+    step, config = meta.get("step"), meta.get("config")
+    if not isinstance(step, int) or isinstance(step, bool) or step < 0:
+        raise CheckpointError(f"{path}: 'step' is missing or not a non-negative integer")
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{path}: 'config' is missing or not an object")
+    files = meta.get("files")
+    if "files" in meta and not (
+        isinstance(files, dict)
+        and all(
+            isinstance(v, dict) and isinstance(v.get("bytes"), int) and isinstance(v.get("sha256"), str)
+            for v in files.values()
+        )
+    ):
+        raise CheckpointError(f"{path}: 'files' is not a list of sizes and checksums")
+    return meta
+
+
+def verify(ckpt: Path) -> dict:
+    """meta.json, after checking it and every file it lists against their SHA-256."""
+    meta = read_meta(ckpt)
+    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
+        raise CheckpointError(f"{ckpt / 'meta.json'} does not match its own checksum (corrupted)")
+    if _is_step_dir(ckpt) and meta["step"] != step_of(ckpt):
+        raise CheckpointError(f"{ckpt / 'meta.json'} says step {meta['step']}, its directory {ckpt.name}")
+    for name, want in meta.get("files", {}).items():
+        path = ckpt / name
+        if name not in ("model.safetensors", "optimizer.safetensors", "extra.safetensors"):
+            raise CheckpointError(f"{ckpt / 'meta.json'} lists an unexpected file {name!r}")
+        try:
+            size = path.stat().st_size
+        except OSError:
+            raise CheckpointError(f"{path} is missing") from None
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path} has {size} bytes, but meta.json says {want['bytes']} (truncated?)")
+        if _sha256(path) != want["sha256"]:
+            raise CheckpointError(f"{path} does not match its SHA-256 in meta.json (corrupted)")
+    if "files" in meta and "model.safetensors" not in meta["files"]:
+        raise CheckpointError(f"{ckpt / 'meta.json'} lists no model.safetensors")
+    return meta
+
+
+def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors file; anything unreadable is a CheckpointError."""
+    try:
+        return load_file(path)
+    except (OSError, SafetensorError, ValueError, RuntimeError, TypeError) as e:
+        raise CheckpointError(f"{path} is unreadable: {e}") from None
 
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    try:
-        return load_file(ckpt / "model.safetensors")
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ckpt / 'model.safetensors'} is unreadable: {e}") from None
-
-
-def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load that reports every missing, unexpected or mis-shaped tensor."""
-    own = model.state_dict()
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    shapes = [
-        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
-        for k in sorted(set(own) & set(weights))
-        if weights[k].shape != own[k].shape
-    ]
-    problems = []
-    if missing:
-        problems.append(f"missing {', '.join(missing[:5])}" + (" ..." if len(missing) > 5 else ""))
-    if unexpected:
-        problems.append(f"unexpected {', '.join(unexpected[:5])}" + (" ..." if len(unexpected) > 5 else ""))
-    if shapes:
-        problems.append(f"shape mismatch {', '.join(shapes[:5])}")
-    if problems:
-        raise CheckpointError(f"{source} does not match the model: {'; '.join(problems)}")
-    model.load_state_dict(weights)
+    return read_safetensors(ckpt / "model.safetensors")
 
 
 def load_extra(ckpt: Path) -> dict[str, torch.Tensor]:
     if not (ckpt / "extra.safetensors").is_file():
         return {}
-    try:
-        return load_file(ckpt / "extra.safetensors")
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ckpt / 'extra.safetensors'} is unreadable: {e}") from None
+    return read_safetensors(ckpt / "extra.safetensors")
 
 
-def load_optimizer(ckpt: Path, optimizer, meta: dict) -> None:
+def load_optimizer_state(ckpt: Path, meta: dict) -> dict | None:
+    """The optimizer's state_dict (integer keys), or None for a weights-only checkpoint."""
+    if "optimizer" not in meta:
+        return None
+    tensors = read_safetensors(ckpt / "optimizer.safetensors")
     try:
-        tensors = load_file(ckpt / "optimizer.safetensors")
-    except (OSError, SafetensorError) as e:
-        raise CheckpointError(f"{ckpt / 'optimizer.safetensors'} is unreadable: {e}") from None
-    optimizer.load_state_dict(_optimizer_state(tensors, meta["optimizer"]))
+        return _optimizer_state(tensors, meta["optimizer"])
+    except (KeyError, ValueError, TypeError, AttributeError) as e:
+        raise CheckpointError(f"{ckpt}: the optimizer state is malformed ({type(e).__name__}: {e})") from None
+
+
+def _same_kind(saved, live) -> bool:
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if number(live):
+        return number(saved)
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(_same_kind, saved, live))
+    return type(saved) is type(live)
+
+
+def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[torch.Size], source: str) -> None:
+    """The saved optimizer state fits this optimizer: the same groups and settings, and moment
+    tensors of the parameters' shapes (`shapes`, in the optimizer's order)."""
+
+    def bad(why: str):
+        return CheckpointError(f"{source}: the optimizer state does not fit this run: {why}")
+
+    groups, items = state.get("param_groups"), state.get("state")
+    if not isinstance(groups, list) or not isinstance(items, dict) or len(groups) != len(live_groups):
+        raise bad(f"expected {len(live_groups)} parameter groups")
+    for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"]):
+            raise bad(f"group {i} holds a different number of parameters")
+        for key, val in live.items():
+            if key != "params" and not _same_kind(g.get(key), val):
+                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
+    ids = [i for g in groups for i in g["params"]]
+    if sorted(ids, key=str) != sorted(range(len(shapes)), key=str):
+        raise bad("the parameter indices are not 0..n-1")
+    for idx, st in items.items():
+        if not isinstance(idx, int) or not 0 <= idx < len(shapes) or not isinstance(st, dict):
+            raise bad(f"state for unknown parameter {idx!r}")
+        for key, val in st.items():
+            if not isinstance(val, torch.Tensor):
+                raise bad(f"{key} of parameter {idx} is not a tensor")
+            if key != "step" and val.shape != shapes[idx]:
+                raise bad(f"{key} of parameter {idx} has shape {tuple(val.shape)}, the parameter {tuple(shapes[idx])}")
+            if not torch.isfinite(val).all():
+                raise bad(f"{key} of parameter {idx} holds non-finite values")
+
+
+def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
+    for name, t in weights.items():
+        if t.is_floating_point() and not torch.isfinite(t).all():
+            raise CheckpointError(f"{source}: {name} holds non-finite values")
+
+
+def latest_good(ckpt_root: Path, on_skip: Callable[[Path, str], None] | None = None, quarantine: bool = False):
+    """(path, meta) of the newest checkpoint that verifies, or None. Each damaged newer one is
+    reported to `on_skip(path, reason)` and, with `quarantine`, renamed `corrupt-step_...` so
+    that it is neither listed nor counted by keep_last again."""
+    for path in reversed(list_checkpoints(ckpt_root)):
+        try:
+            return path, verify(path)
+        except CheckpointError as e:
+            if on_skip:
+                on_skip(path, str(e))
+            if quarantine:
+                target = path.with_name(f"corrupt-{path.name}")
+                shutil.rmtree(target, ignore_errors=True)
+                os.replace(path, target)
+    return None
+
+
+def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None = None) -> Path:
+    """A checkpoint directory from itself, or the newest good one of a run directory or checkpoints folder."""
+    path = Path(path)
+    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+        verify(path)
+        return path
+    for root in (path / "checkpoints", path):
+        if list_checkpoints(root):
+            found = latest_good(root, on_skip)
+            if found is None:
+                raise CheckpointError(f"every checkpoint in {root} is damaged")
+            return found[0]
+    raise CheckpointError(f"no checkpoint found at {path}")
+
+
+def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
+    """Strict load that reports every missing, unexpected or mis-shaped tensor, and refuses NaN/inf."""
+    problems = mismatch(model.state_dict(), weights)
+    if problems:
+        raise CheckpointError(f"{source} does not match the model: {problems}")
+    check_finite(weights, source)
+    model.load_state_dict(weights)
+
+
+def mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> str:
+    """What differs between two state dicts' names and shapes ("" when nothing)."""
+    missing = sorted(set(own) - set(weights))
+    unexpected = sorted(set(weights) - set(own))
+    shapes = [
+        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
+        for k in sorted(set(own) & set(weights))
+        if tuple(weights[k].shape) != tuple(own[k].shape)
+    ]
+    problems = [
+        f"{what} {_first_five(names)}"
+        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
+        if names
+    ]
+    return "; ".join(problems)
+
+
+def _first_five(names: list[str]) -> str:
+    return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
+
+
+def load_weights_file(path: Path | str) -> dict[str, torch.Tensor]:
+    """Weights from elsewhere, never by unpickling code: a checkpoint or run directory, a
+    .safetensors file, or a .pth/.pt state dict (RWKV-LM's) through torch.load(weights_only=True)."""
+    path = Path(path)
+    if path.is_dir():
+        return load_weights(resolve_checkpoint(path))
+    if not path.is_file():
+        raise CheckpointError(f"weights file not found: {path}")
+    if path.suffix == ".safetensors":
+        return read_safetensors(path)
+    if path.suffix not in (".pth", ".pt"):
+        raise CheckpointError(f"{path}: expected a .safetensors or .pth file, or a checkpoint directory")
+    try:
+        with warnings.catch_warnings():  # a damaged file also warns (odd pickle protocol); the error says it all
+            warnings.simplefilter("ignore")
+            sd = torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
+        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise CheckpointError(f"{path} is not a weights-only state dict: {reason}") from None
+    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
+        raise CheckpointError(f"{path} does not hold a flat state dict of named tensors")
+    return sd

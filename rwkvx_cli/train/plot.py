@@ -14,6 +14,7 @@ def plot_losses(metrics_path: Path, out_path: Path) -> Path:
 
     rows = [json.loads(line) for line in Path(metrics_path).read_text().splitlines()]
     val = [r for r in rows if r.get("val_loss") is not None]
+    rows = [r for r in rows if r.get("loss") is not None]  # skipped non-finite steps log null
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["tokens"] for r in rows], [r["loss"] for r in rows], label="train loss", lw=0.8)
     ax.plot([r["tokens"] for r in val], [r["val_loss"] for r in val], "o-", label="validation loss")

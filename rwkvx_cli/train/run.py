@@ -7,7 +7,6 @@ tokens unless data.prepared_dir says otherwise), <run>/checkpoints/,
 
 from __future__ import annotations
 
-import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -16,6 +15,7 @@ import yaml
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.data import PrepareStats, load_tokenizer, open_tokens, prepare
 from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.fsio import atomic_write_bytes, atomic_write_text
 from rwkvx_cli.models import LM, build_model
 from rwkvx_cli.ops import get_op
 
@@ -61,20 +61,26 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
     train, val = open_tokens(data_dir / "train.bin"), open_tokens(data_dir / "val.bin")
     for split in (train, val):
         split.check_vocab(cfg.model.vocab_size)
-    if len(val.tokens) < cfg.train.ctx_len + 1:
-        raise DataError(
-            f"the validation split has {len(val.tokens)} tokens, fewer than train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
-        )
+    for name, split in (("training", train), ("validation", val)):
+        if len(split.tokens) < cfg.train.ctx_len + 1:
+            raise DataError(
+                f"the {name} split ({data_dir}) has {len(split.tokens)} tokens, fewer than one window of "
+                f"train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
+            )
     return RunData(train, val, tokenizer, data_dir, stats)
 
 
 def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
     run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
+    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
     if data.data_dir.resolve() != run_dir.resolve():
         target = run_dir / "tokenizer.json"
         if not target.exists() or target.resolve() != (data.data_dir / "tokenizer.json").resolve():
-            shutil.copyfile(data.data_dir / "tokenizer.json", target)
+            atomic_write_bytes(target, (data.data_dir / "tokenizer.json").read_bytes())
+
+
+RWKV7_KINDS = ("rwkv", "rwkv7")  # the layer kind's name before and after model.layers
+BLOCK_LETTERS = {"rwkv": "R", "rwkv7": "R", "moba": "A"}
 
 
 def model_summary(model: LM) -> dict:
@@ -95,7 +101,7 @@ def model_summary(model: LM) -> dict:
         groups[key] = groups.get(key, 0) + p.numel()
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb."))
     H, N = cfg.n_embd // cfg.head_size, cfg.head_size
-    n_rwkv = model.kinds.count("rwkv")
+    n_rwkv = sum(k in RWKV7_KINDS for k in model.kinds)  # other recurrences' FLOPs and state are not counted
     # FLOPs/token: 2 per matmul weight forward (6 with backward), plus the wkv7 op's own
     # count per RWKV layer (ops/wkv7: 9 N² per head forward, 28 N² with backward).
     # Attention's score/value products are not counted.
@@ -108,7 +114,7 @@ def model_summary(model: LM) -> dict:
         "forward_flops_per_token": int(2 * matmul + n_rwkv * wkv(one_token, "fwd")),
         "train_flops_per_token": int(6 * matmul + n_rwkv * wkv(one_token, "fwdbwd")),
         "state_bytes_per_sequence_fp32": 4 * state_floats,
-        "blocks": "".join("R" if k == "rwkv" else "A" for k in model.kinds),
+        "blocks": "".join(BLOCK_LETTERS.get(k, f"[{k}]") for k in model.kinds),
     }
 
 

@@ -6,39 +6,9 @@ import pytest
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
+from tests.train.helpers import REPO, cli_command, env, losses, rollback_to, rows, tiny_args
 
 runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def corpus(tmp_path_factory):
-    path = tmp_path_factory.mktemp("corpus") / "text.txt"
-    lines = [f"line {i}: the quick brown fox {i % 7} jumps over the lazy dog {i % 5}." for i in range(400)]
-    path.write_text("\n".join(lines) + "\n")
-    return path
-
-
-def tiny_args(run_dir, corpus, *extra):
-    return [
-        f"run_dir={run_dir}",
-        f"data.corpus=[{corpus}]",
-        "model.n_layer=2",
-        "model.n_embd=64",
-        "model.head_size=32",
-        "train.ctx_len=32",
-        "train.micro_batch=4",
-        "train.tokens=1280",  # 10 steps
-        "train.eval_interval=5",
-        "train.eval_tokens=512",
-        "train.ckpt_interval=4",
-        "train.warmup_tokens=256",
-        "train.lr=3e-3",
-        *extra,
-    ]
-
-
-def losses(run_dir):
-    return [json.loads(line)["loss"] for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
 def train(*args):
@@ -100,15 +70,6 @@ def test_bad_config_is_one_line_exit_2(tmp_path, corpus, override, message):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
-def rollback_to(run_dir, step):
-    """Delete every checkpoint after `step`, as if the run had died right after it."""
-    for ckpt in sorted((run_dir / "checkpoints").iterdir()):
-        if int(ckpt.name.split("_")[1]) > step:
-            for f in ckpt.iterdir():
-                f.unlink()
-            ckpt.rmdir()
-
-
 def test_tbptt_resume_is_exact_and_carries_state(tmp_path, corpus):
     full = tmp_path / "full"
     train(*tiny_args(full, corpus, "train.tbptt=true"))
@@ -138,32 +99,28 @@ def test_hybrid_rwkvx_and_bpe_runs_learn(tmp_path, corpus):
     assert (run / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
-def test_sigint_saves_a_checkpoint_and_exits_cleanly(tmp_path, corpus):
-    import os
+@pytest.mark.parametrize("signame", ["SIGINT", "SIGTERM"])
+def test_a_signal_finishes_the_step_saves_a_checkpoint_and_exits_0(tmp_path, corpus, signame):
     import signal
     import subprocess
-    import sys
     import time
 
     run = tmp_path / "run"
     args = tiny_args(run, corpus, "train.tokens=1000000", "train.ckpt_interval=100000", "train.eval_interval=100000")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "rwkvx_cli", "train", *args],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env={**os.environ, "COLUMNS": "200"},
+        cli_command("train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO
     )
     metrics = run / "metrics.jsonl"
     deadline = time.time() + 120
     while time.time() < deadline and not (metrics.exists() and len(metrics.read_text().splitlines()) >= 3):
         time.sleep(0.2)
-    proc.send_signal(signal.SIGINT)
+    proc.send_signal(getattr(signal, signame))
     out, errs = proc.communicate(timeout=120)
     assert proc.returncode == 0, errs
     assert "checkpoint saved at step" in out
     steps = [int(p.name.split("_")[1]) for p in (run / "checkpoints").iterdir()]
-    assert steps and max(steps) == len(metrics.read_text().splitlines())
+    logged = [r["step"] for r in rows(run)]
+    assert steps and max(steps) == len(logged) and logged == list(range(1, len(logged) + 1))
 
 
 @pytest.fixture
@@ -227,3 +184,36 @@ def test_init_refuses_a_directory_with_checkpoints(prepared, corpus):
     result = runner.invoke(app, ["init", *tiny_args(prepared, corpus)])
     assert result.exit_code == 2 and "already holds checkpoints" in result.stderr
     assert sorted(p.name for p in (prepared / "checkpoints").iterdir()) == before
+
+
+def test_empty_corpus_is_refused_before_training(tmp_path):
+    empty = tmp_path / "empty.txt"
+    empty.write_text("")
+    result = runner.invoke(app, ["train", *tiny_args(tmp_path / "run", empty)])
+    assert result.exit_code == 1, result.output
+    assert "the corpus has no text" in result.stderr and "Traceback" not in result.output
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_corpus_shorter_than_one_window_is_refused_before_training(tmp_path):
+    short = tmp_path / "short.txt"
+    short.write_text("\n".join(f"line {i}" for i in range(40)) + "\n")  # ~300 tokens
+    result = runner.invoke(app, ["train", *tiny_args(tmp_path / "run", short, "train.ctx_len=512")])
+    assert result.exit_code == 1, result.output
+    assert "fewer than one window of train.ctx_len + 1 = 513" in result.stderr
+    assert "Traceback" not in result.output and len(result.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "run" / "metrics.jsonl").exists()
+
+
+def test_architecture_mismatch_on_resume_names_what_differs(tmp_path, corpus):
+    run = tmp_path / "run"
+    train(*tiny_args(run, corpus, "train.tokens=256"))
+    result = runner.invoke(app, ["train", *tiny_args(run, corpus, "train.tokens=512", "model.n_layer=3"), "--resume"])
+    assert result.exit_code == 1, result.output
+    assert "does not match the model: missing blocks.2." in result.stderr
+    result = runner.invoke(
+        app, ["train", *tiny_args(run, corpus, "train.tokens=512", "model.n_embd=32", "model.head_size=16"), "--resume"]
+    )
+    assert result.exit_code == 1, result.output
+    assert "shape mismatch blocks.0.att.a0 (1, 1, 64) vs (1, 1, 32)" in result.stderr
+    assert "Traceback" not in result.output

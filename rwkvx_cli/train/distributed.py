@@ -1,0 +1,214 @@
+"""Data parallelism under torchrun: process group, model wrapping (DDP or FSDP2), and the
+few collectives the trainer needs. Without torchrun every function here is a no-op on
+a single process, so the trainer has one code path.
+
+Each rank reads rows rank, rank + N, ... of the step's global batch (a function of seed
+and step), so the global batch, and with it the loss, does not depend on N.
+Checkpoints hold full (unsharded) tensors: they load into any number of ranks and either mode.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+
+from rwkvx_cli.config import ConfigError
+
+
+@dataclass(frozen=True)
+class DistInfo:
+    rank: int = 0
+    world_size: int = 1
+    local_rank: int = 0
+    launched: bool = False  # started by torchrun (a process group exists)
+
+    @property
+    def is_main(self) -> bool:
+        return self.rank == 0
+
+
+SINGLE = DistInfo()
+
+
+def from_env(env=os.environ) -> DistInfo:
+    """The rank layout torchrun exports (RANK, WORLD_SIZE, LOCAL_RANK); a single process without it."""
+    if "WORLD_SIZE" not in env or "RANK" not in env:
+        return SINGLE
+    try:
+        rank, world, local = int(env["RANK"]), int(env["WORLD_SIZE"]), int(env.get("LOCAL_RANK", env["RANK"]))
+    except ValueError:
+        raise ConfigError("RANK, WORLD_SIZE and LOCAL_RANK must be integers (set by torchrun)") from None
+    if world < 1 or not 0 <= rank < world:
+        raise ConfigError(f"RANK {rank} is not in 0..{world - 1} (WORLD_SIZE {world})")
+    return DistInfo(rank, world, local, launched=True)
+
+
+def init(info: DistInfo, device_name: str) -> torch.device:
+    """Join the process group (nccl on CUDA, gloo on CPU); returns this rank's device."""
+    if device_name == "cuda" and not torch.cuda.is_available():
+        raise ConfigError("train.device: cuda was asked for, but no CUDA device is available")
+    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
+    if use_cuda:
+        torch.cuda.set_device(device)
+    if info.launched and not dist.is_initialized():
+        dist.init_process_group(
+            "nccl" if use_cuda else "gloo",
+            rank=info.rank,
+            world_size=info.world_size,
+            timeout=timedelta(minutes=30),
+            device_id=device if use_cuda else None,
+        )
+    return device
+
+
+def shutdown() -> None:
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def active() -> bool:
+    return dist.is_initialized()
+
+
+def barrier() -> None:
+    if active():
+        dist.barrier()
+
+
+def wrap(model: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:
+    """The module the training step calls. DDP returns a wrapper; FSDP2 shards `model` in place
+    (each block, then the root), so `model` itself becomes the sharded module."""
+    if not active():
+        return model
+    if mode == "fsdp":
+        from torch.distributed.fsdp import fully_shard
+
+        for block in model.blocks:
+            fully_shard(block)
+        fully_shard(model)
+        return model
+    from torch.nn.parallel import DistributedDataParallel
+
+    # find_unused_parameters: layer 0 keeps RWKV-LM's value-residual weights (att.v0/v1/v2) without using them.
+    ids = [device.index] if device.type == "cuda" else None
+    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+
+
+def grad_sync(wrapped: torch.nn.Module, mode: str, sync: bool):
+    """Reduce gradients across ranks only on a step's last micro-batch; the others accumulate locally."""
+    if not active():
+        return contextlib.nullcontext()
+    if mode == "fsdp":
+        wrapped.set_requires_gradient_sync(sync)
+        return contextlib.nullcontext()
+    return contextlib.nullcontext() if sync else wrapped.no_sync()
+
+
+def sum_all(t: torch.Tensor) -> torch.Tensor:
+    if active():
+        dist.all_reduce(t, op=dist.ReduceOp.SUM)
+    return t
+
+
+def any_rank(flag: bool, device: torch.device) -> bool:
+    """True on every rank when it is true on one (stop requests must agree)."""
+    if not active():
+        return flag
+    t = torch.tensor([1.0 if flag else 0.0], device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return bool(t.item())
+
+
+def broadcast(obj, src: int = 0):
+    """Rank `src`'s picklable Python object on every rank (internal use only: never data from files)."""
+    if not active():
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=src)
+    return box[0]
+
+
+def gather_rows(local: torch.Tensor, world_size: int) -> torch.Tensor:
+    """The global-batch tensor from every rank's rows (rank r holds global rows r, r + N, ...)."""
+    if not active():
+        return local
+    parts = [torch.empty_like(local) for _ in range(world_size)]
+    dist.all_gather(parts, local.contiguous())
+    return torch.stack(parts, dim=1).reshape(-1, *local.shape[1:])
+
+
+def local_rows(global_t: torch.Tensor, info: DistInfo) -> torch.Tensor:
+    return global_t[info.rank :: info.world_size]
+
+
+def grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip to `max_norm`; the total norm before clipping, the same on every rank."""
+    norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
+    return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
+
+
+def _sharded(model) -> bool:
+    return any(hasattr(p, "full_tensor") for p in model.parameters())
+
+
+def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
+    """The names of the optimizer's parameters in its state_dict's integer order."""
+    names = {id(p): n for n, p in model.named_parameters()}
+    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
+
+
+def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
+    """(weights, optimizer state_dict with integer keys), full tensors on the CPU; under FSDP a
+    collective whose result only rank 0 gets (the others get empty dicts)."""
+    if not _sharded(model):
+        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
+    weights = get_model_state_dict(model, options=opts)
+    if optimizer is None:
+        return weights, None
+    osd = get_optimizer_state_dict(model, optimizer, options=opts)
+    if not osd:
+        return weights, {}
+    index = {name: i for i, name in enumerate(param_names(model, optimizer))}
+    return weights, {
+        "state": {index[name]: st for name, st in osd["state"].items()},
+        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
+    }
+
+
+def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_state: dict | None) -> None:
+    """Load full tensors (as written by `full_state`) into a plain or sharded model and its optimizer."""
+    if not _sharded(model):
+        model.load_state_dict(weights)
+        if optim_state is not None:
+            optimizer.load_state_dict(optim_state)
+        return
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        set_model_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    opts = StateDictOptions(full_state_dict=True)
+    set_model_state_dict(model, weights, options=opts)
+    if optim_state is not None:
+        names = param_names(model, optimizer)
+        groups = optim_state["param_groups"]
+        osd = {
+            "state": {names[int(i)]: st for i, st in optim_state["state"].items()},
+            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in groups],
+        }
+        # Not strict: parameters that never get a gradient (layer 0's att.v0/v1/v2) have no state.
+        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))
