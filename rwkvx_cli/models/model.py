@@ -1,5 +1,6 @@
-"""The language model: RWKV-7 blocks, optionally interleaved with MoBA sparse
-attention blocks (RWKV-X), plus RWKV-LM's "better rwkv7 init"."""
+"""The language model: a stack of blocks of any layer kind (`model.layers`):
+RWKV-7, MoBA sparse attention (RWKV-X), RWKV-4, Gated DeltaNet, KDA and the
+normalized "rwkv8" recurrence, plus RWKV-LM's "better rwkv7 init"."""
 
 from __future__ import annotations
 
@@ -9,18 +10,26 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.rwkv7 import Block, BlockState, ChannelMix
+from rwkvx_cli.config import LAYER_KINDS, ModelConfig
+from rwkvx_cli.models.layers import DeltaMix, RWKV4TimeMix, RWKV8Mix
+from rwkvx_cli.models.rwkv7 import Block, ChannelMix
 from rwkvx_cli.ops.moba import moba
+
+assert set(LAYER_KINDS) == {"rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8"}
 
 
 def block_kinds(n_rwkv: int, n_attn: int) -> list[str]:
-    """RWKV-X's rule: `[rwkv x interval, attn]` repeated n_attn times, then the leftover RWKV blocks."""
+    """RWKV-X's rule: `[rwkv7 x interval, moba]` repeated n_attn times, then the leftover RWKV-7 blocks."""
     if n_attn == 0:
-        return ["rwkv"] * n_rwkv
+        return ["rwkv7"] * n_rwkv
     interval = n_rwkv // n_attn
-    kinds = (["rwkv"] * interval + ["attn"]) * n_attn
-    return kinds + ["rwkv"] * (n_rwkv - interval * n_attn)
+    kinds = (["rwkv7"] * interval + ["moba"]) * n_attn
+    return kinds + ["rwkv7"] * (n_rwkv - interval * n_attn)
+
+
+def layer_kinds(cfg: ModelConfig) -> list[str]:
+    """The stack: `model.layers` when given, else RWKV-X's rule on n_layer and n_attn."""
+    return list(cfg.layers) if cfg.layers else block_kinds(cfg.n_layer, cfg.n_attn)
 
 
 class MobaAttention(nn.Module):
@@ -50,9 +59,43 @@ class AttnBlock(nn.Module):
         self.ffn = ChannelMix(C)
 
     def forward(self, x, v_first, state=None):
+        if hasattr(self, "ln0"):
+            x = self.ln0(x)
         x = x + self.att(self.ln1(x))
         ffn, _ = self.ffn(self.ln2(x))
         return x + ffn, v_first, None
+
+
+class MixBlock(nn.Module):
+    """x += time_mix(ln1 x); x += channel_mix(ln2 x), for the recurrent relatives
+    of RWKV-7 (layers.py); the state is the time mix's dict plus the channel
+    mix's token-shift vector."""
+
+    def __init__(self, kind: str, C: int, head_size: int, cfg: ModelConfig):
+        super().__init__()
+        self.ln1 = nn.LayerNorm(C)
+        self.ln2 = nn.LayerNorm(C)
+        if kind == "rwkv4":
+            self.att = RWKV4TimeMix(C, head_size)
+        elif kind in ("gdn", "kda"):
+            self.att = DeltaMix(C, head_size, per_channel=kind == "kda")
+        else:
+            self.att = RWKV8Mix(C, head_size, shared_value=cfg.rwkv8_shared_value)
+        self.ffn = ChannelMix(C)
+
+    def empty_state(self, B: int, device) -> dict[str, torch.Tensor]:
+        return {
+            **self.att.empty_state(B, device),
+            "ffn_shift": torch.zeros(B, self.ln2.normalized_shape[0], device=device),
+        }
+
+    def forward(self, x, v_first, state: dict[str, torch.Tensor] | None = None):
+        if hasattr(self, "ln0"):
+            x = self.ln0(x)
+        att, att_state = self.att(self.ln1(x), state)
+        x = x + att
+        ffn, ffn_shift = self.ffn(self.ln2(x), state["ffn_shift"] if state else None)
+        return x + ffn, v_first, {**att_state, "ffn_shift": ffn_shift}
 
 
 class LM(nn.Module):
@@ -60,15 +103,20 @@ class LM(nn.Module):
         super().__init__()
         self.cfg = cfg
         C = cfg.n_embd
-        self.kinds = block_kinds(cfg.n_layer, cfg.n_attn)
+        self.kinds = layer_kinds(cfg)
         self.emb = nn.Embedding(cfg.vocab_size, C)
         blocks, rwkv_id = [], 0
-        for kind in self.kinds:
-            if kind == "rwkv":
-                blocks.append(Block(C, cfg.head_size, rwkv_id))
+        for pos, kind in enumerate(self.kinds):
+            if kind == "rwkv7":
+                blk = Block(C, cfg.head_size, rwkv_id, has_ln0=pos == 0)
                 rwkv_id += 1
+            elif kind == "moba":
+                blk = AttnBlock(C, cfg.head_size, cfg.moba_chunk, cfg.moba_top_k)
             else:
-                blocks.append(AttnBlock(C, cfg.head_size, cfg.moba_chunk, cfg.moba_top_k))
+                blk = MixBlock(kind, C, cfg.head_size, cfg)
+            if pos == 0 and kind != "rwkv7":
+                blk.ln0 = nn.LayerNorm(C)  # the first block normalises the embedding, whatever its kind
+            blocks.append(blk)
         self.blocks = nn.ModuleList(blocks)
         self.ln_out = nn.LayerNorm(C)
         self.head = nn.Linear(C, cfg.vocab_size, bias=False)
@@ -76,10 +124,13 @@ class LM(nn.Module):
     @property
     def recurrent(self) -> bool:
         """True when every block is recurrent (no attention): O(1) state per token."""
-        return all(kind == "rwkv" for kind in self.kinds)
+        return "moba" not in self.kinds
 
-    def empty_state(self, B: int, device) -> list[BlockState | None]:
-        return [blk.empty_state(B, device) if isinstance(blk, Block) else None for blk in self.blocks]
+    def empty_state(self, B: int, device) -> list:
+        return [
+            None if kind == "moba" else blk.empty_state(B, device)
+            for kind, blk in zip(self.kinds, self.blocks, strict=True)
+        ]
 
     def forward(self, idx: torch.Tensor, state: list | None = None):
         """Logits [B, T, V], and the state after the last token (for TBPTT / generation)."""
@@ -108,7 +159,7 @@ def init_weights(model: LM, seed: int) -> None:
     """RWKV-LM train_temp's "better rwkv7 init" (facts in ../shared/docs/ops.md), seeded."""
     gen = torch.Generator().manual_seed(seed)
     cfg = model.cfg
-    C, N, L = cfg.n_embd, cfg.head_size, cfg.n_layer
+    C, N = cfg.n_embd, cfg.head_size
     n = torch.arange(C, dtype=torch.float64)
     ddd = (n / C).view(1, 1, C)
     linear = n / (C - 1) - 0.5
@@ -118,9 +169,15 @@ def init_weights(model: LM, seed: int) -> None:
     model.emb.weight.uniform_(-1e-4, 1e-4, generator=gen)
     _orthogonal_(model.head.weight, 0.5, gen)
     rwkv_seen = 0
-    for blk in model.blocks:
-        # Attention blocks take the ratios of the RWKV block before them.
-        layer = max(rwkv_seen - 1, 0) if isinstance(blk, AttnBlock) else rwkv_seen
+    n_blocks = len(model.blocks)
+    for pos, blk in enumerate(model.blocks):
+        if isinstance(blk, MixBlock):
+            # Other recurrences take their ratios from their position in the whole stack.
+            layer, L = pos, n_blocks
+        else:
+            # Attention blocks take the ratios of the RWKV-7 block before them.
+            layer = max(rwkv_seen - 1, 0) if isinstance(blk, AttnBlock) else rwkv_seen
+            L = max(model.kinds.count("rwkv7"), 1)
         r0 = layer / (L - 1) if L > 1 else 0.0
         r1 = 1.0 - layer / L
         for ln in (getattr(blk, "ln0", None), blk.ln1, blk.ln2):
@@ -131,6 +188,9 @@ def init_weights(model: LM, seed: int) -> None:
         _orthogonal_(blk.ffn.key.weight, 1.0, gen)
         blk.ffn.value.weight.zero_()
         att = blk.att
+        if isinstance(blk, MixBlock):
+            att.reset_parameters(gen, layer, L)
+            continue
         if isinstance(blk, AttnBlock):
             for p, scale in ((att.receptance, 1.0), (att.key, 0.1), (att.value, 1.0)):
                 _orthogonal_(p.weight, scale, gen)

@@ -53,6 +53,10 @@ class TimeMix(nn.Module):
         self.output = nn.Linear(C, C, bias=False)
         self.ln_x = nn.GroupNorm(H, C, eps=64e-5)
 
+    def op_dims(self) -> tuple[str, dict[str, int]]:
+        """The recurrence op and its dims for one token (FLOP counts)."""
+        return "wkv7", {"B": 1, "T": 1, "H": self.n_head, "N": self.head_size}
+
     def forward(self, x, v_first, shift=None, wkv_state=None):
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
@@ -94,12 +98,12 @@ class ChannelMix(nn.Module):
 
 
 class Block(nn.Module):
-    """One RWKV-7 block; block 0 also owns `ln0`, applied to the embedding."""
+    """One RWKV-7 block; the model's first block also owns `ln0`, applied to the embedding."""
 
-    def __init__(self, C: int, head_size: int, layer_id: int):
+    def __init__(self, C: int, head_size: int, layer_id: int, has_ln0: bool | None = None):
         super().__init__()
         self.layer_id = layer_id
-        if layer_id == 0:
+        if layer_id == 0 if has_ln0 is None else has_ln0:
             self.ln0 = nn.LayerNorm(C)
         self.ln1 = nn.LayerNorm(C)
         self.ln2 = nn.LayerNorm(C)
@@ -115,7 +119,7 @@ class Block(nn.Module):
         )
 
     def forward(self, x, v_first, state: BlockState | None = None):
-        if self.layer_id == 0:
+        if hasattr(self, "ln0"):
             x = self.ln0(x)
         s = state
         att, v_first, att_shift, wkv = self.att(self.ln1(x), v_first, s.att_shift if s else None, s.wkv if s else None)

@@ -26,8 +26,9 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32"
     meta = ck.read_meta(path)
     weights = ck.load_weights(path)
     model_cfg = meta["config"]["model"]
-    if fmt == "rwkv-lm" and model_cfg.get("n_attn", 0) > 0:
-        raise RwkvxError("the rwkv-lm format holds plain RWKV-7 models; this one has MoBA attention blocks")
+    other = sorted(set(model_cfg.get("layers") or []) - {"rwkv7"}) or (["moba"] if model_cfg.get("n_attn", 0) else [])
+    if fmt == "rwkv-lm" and other:
+        raise RwkvxError(f"the rwkv-lm format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
     out = Path(out)
     out.parent.mkdir(parents=True, exist_ok=True)

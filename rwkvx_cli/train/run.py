@@ -79,13 +79,12 @@ def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
             atomic_write_bytes(target, (data.data_dir / "tokenizer.json").read_bytes())
 
 
-RWKV7_KINDS = ("rwkv", "rwkv7")  # the layer kind's name before and after model.layers
-BLOCK_LETTERS = {"rwkv": "R", "rwkv7": "R", "moba": "A"}
+# One letter per block in the model summary.
+BLOCK_LETTERS = {"rwkv7": "R", "moba": "A", "rwkv4": "4", "gdn": "G", "kda": "K", "rwkv8": "8"}
 
 
 def model_summary(model: LM) -> dict:
     """Parameter counts per component, forward FLOPs per token, recurrent state size."""
-    cfg = model.cfg
     groups: dict[str, int] = {}
     for name, p in model.named_parameters():
         if name.startswith("emb."):
@@ -100,21 +99,26 @@ def model_summary(model: LM) -> dict:
             key = "norms"
         groups[key] = groups.get(key, 0) + p.numel()
     matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb."))
-    H, N = cfg.n_embd // cfg.head_size, cfg.head_size
-    n_rwkv = sum(k in RWKV7_KINDS for k in model.kinds)  # other recurrences' FLOPs and state are not counted
-    # FLOPs/token: 2 per matmul weight forward (6 with backward), plus the wkv7 op's own
-    # count per RWKV layer (ops/wkv7: 9 N² per head forward, 28 N² with backward).
-    # Attention's score/value products are not counted.
-    wkv = get_op("wkv7").flops
-    one_token = {"B": 1, "T": 1, "H": H, "N": N}
-    state_floats = n_rwkv * (H * N * N + 2 * cfg.n_embd)
+    # FLOPs/token: 2 per matmul weight forward (6 with backward), plus each recurrent
+    # layer's op count for one token (the op's registry `flops`, e.g. wkv7: 9 N² per head
+    # forward, 28 N² with backward). Attention's score/value products are not counted.
+    fwd = bwd = 0.0
+    state_floats = 0
+    for kind, blk in zip(model.kinds, model.blocks, strict=True):
+        if kind == "moba":
+            continue
+        op, dims = blk.att.op_dims()
+        fwd += get_op(op).flops(dims, "fwd")
+        bwd += get_op(op).flops(dims, "fwdbwd")
+        state = blk.empty_state(1, "cpu")
+        state_floats += sum(t.numel() for t in (state.values() if isinstance(state, dict) else vars(state).values()))
     return {
         "parameters": sum(groups.values()),
         "by_component": groups,
-        "forward_flops_per_token": int(2 * matmul + n_rwkv * wkv(one_token, "fwd")),
-        "train_flops_per_token": int(6 * matmul + n_rwkv * wkv(one_token, "fwdbwd")),
+        "forward_flops_per_token": int(2 * matmul + fwd),
+        "train_flops_per_token": int(6 * matmul + bwd),
         "state_bytes_per_sequence_fp32": 4 * state_floats,
-        "blocks": "".join(BLOCK_LETTERS.get(k, f"[{k}]") for k in model.kinds),
+        "blocks": "".join(BLOCK_LETTERS[k] for k in model.kinds),
     }
 
 

@@ -97,12 +97,12 @@ def test_state_carries_across_segments_and_tokens():
 
 
 def test_rwkvx_interleaving_rule():
-    assert block_kinds(4, 0) == ["rwkv"] * 4
-    assert block_kinds(6, 2) == ["rwkv"] * 3 + ["attn"] + ["rwkv"] * 3 + ["attn"]
-    assert block_kinds(5, 2) == ["rwkv", "rwkv", "attn", "rwkv", "rwkv", "attn", "rwkv"]
+    assert block_kinds(4, 0) == ["rwkv7"] * 4
+    assert block_kinds(6, 2) == ["rwkv7"] * 3 + ["moba"] + ["rwkv7"] * 3 + ["moba"]
+    assert block_kinds(5, 2) == ["rwkv7", "rwkv7", "moba", "rwkv7", "rwkv7", "moba", "rwkv7"]
     cfg = ModelConfig(vocab_size=64, n_layer=4, n_embd=64, head_size=32, n_attn=2, moba_chunk=4, moba_top_k=1)
     model = perturbed(cfg)
-    assert model.kinds == ["rwkv", "rwkv", "attn", "rwkv", "rwkv", "attn"] and not model.recurrent
+    assert model.kinds == ["rwkv7", "rwkv7", "moba", "rwkv7", "rwkv7", "moba"] and not model.recurrent
     sd = model.state_dict()
     for n in ("receptance", "key", "value", "output"):
         assert tuple(sd[f"blocks.2.att.{n}.weight"].shape) == (64, 64)

@@ -1,0 +1,268 @@
+// rwkv8 forward and backward on the CPU: one (batch, head) per OpenMP task, the
+// [L, E] state in cache, every inner loop a unit-stride SIMD loop: over E in the
+// forward, over L in the backward (which works on the transposed state, so that
+// three of its four reductions are per-lane sums, see backward_rows).
+//
+// Layout: q [B, T, H, L], v [B, T, Hv, E] (Hv = 1: shared by every head),
+// d [H, L], y [B, T, H, E], rho [B, H, L, E], n [B, H, L]; snapshots
+// [B, H, n_chunks, L, E] and [B, H, n_chunks, L] hold the state before the first
+// step of each chunk. dv is written per head, [B, T, H, E] (summed over heads by
+// the caller when Hv = 1) and dd per batch row, [B, H, L].
+//
+// Forward, per step (s = Σ_l q_l + eps, m_l = n_l + eps, z_l = q_l / (s m_l)):
+//   y += z_l ρ_l ;  ρ_l = d_l ρ_l + q_l v ;  n_l = d_l n_l + q_l      (row l of ρ, one pass)
+// Backward, reverse over t with dρ, dn the gradients of the state after step t and
+// ρ, n the state before it (recomputed per chunk from its snapshot):
+//   dz_l = ρ_l · dy ;  dq_l = dρ_l · v + dn_l + dz_l / (s m_l) - Σ_j dz_j z_j / s
+//   dd_l += dρ_l · ρ_l + dn_l n_l ;  dv += q_l dρ_l
+//   dρ_l = d_l dρ_l + z_l dy ;  dn_l = d_l dn_l - dz_l z_l / m_l
+// E (forward) and L (backward) = 32, 64 or 128 compile to fixed-length vector code;
+// other sizes take the generic loops.
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr double EPS = 1e-6;
+
+// 64-byte SIMD vectors (GCC/Clang vector extensions) for the compile-time sizes.
+template <typename F>
+struct Vec {
+  typedef F type __attribute__((vector_size(64)));
+  static constexpr int W = 64 / sizeof(F);
+};
+
+template <typename F>
+inline typename Vec<F>::type vload(const F* p) {
+  typename Vec<F>::type x;
+  std::memcpy(&x, p, sizeof(x));
+  return x;
+}
+
+template <typename F>
+inline void vstore(F* p, typename Vec<F>::type x) {
+  std::memcpy(p, &x, sizeof(x));
+}
+
+// Horizontal sum by halving (64 -> 32 -> 16 bytes), then the last lanes.
+template <typename F>
+inline F hsum(typename Vec<F>::type x) {
+  typedef F H32 __attribute__((vector_size(32)));
+  typedef F H16 __attribute__((vector_size(16)));
+  H32 lo, hi;
+  std::memcpy(&lo, &x, 32);
+  std::memcpy(&hi, reinterpret_cast<const char*>(&x) + 32, 32);
+  const H32 s32 = lo + hi;
+  H16 l16, h16;
+  std::memcpy(&l16, &s32, 16);
+  std::memcpy(&h16, reinterpret_cast<const char*>(&s32) + 16, 16);
+  const H16 s16 = l16 + h16;
+  F s = 0;
+  for (int l = 0; l < int(16 / sizeof(F)); l++) s += s16[l];
+  return s;
+}
+
+template <typename F, int NE>
+void forward(const F* q, const F* v, const F* d, const F* rho0, const F* n0, F* y, F* rhoT, F* nT, F* snaps,
+             F* nsnaps, int B, int T, int H, int Hv, int L, int e_runtime, int chunk, int threads) {
+  const int E = NE ? NE : e_runtime;
+  const int n_chunks = (T + chunk - 1) / chunk;
+  const int64_t LE = (int64_t)L * E;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int bh = 0; bh < B * H; bh++) {
+    const int b = bh / H, h = bh % H;
+    std::vector<F> rho(rho0 + bh * LE, rho0 + (bh + 1) * LE), n(n0 + (int64_t)bh * L, n0 + (int64_t)(bh + 1) * L);
+    const F* dh = d + (int64_t)h * L;
+    for (int t = 0; t < T; t++) {
+      if (t % chunk == 0) {
+        const int64_t c = (int64_t)bh * n_chunks + t / chunk;
+        std::memcpy(snaps + c * LE, rho.data(), LE * sizeof(F));
+        std::memcpy(nsnaps + c * L, n.data(), L * sizeof(F));
+      }
+      const F* qt = q + (((int64_t)b * T + t) * H + h) * L;
+      const F* __restrict vt = v + (((int64_t)b * T + t) * Hv + (Hv == 1 ? 0 : h)) * E;
+      F* __restrict yt = y + (((int64_t)b * T + t) * H + h) * E;
+      F s = (F)EPS;
+      for (int l = 0; l < L; l++) s += qt[l];
+      if constexpr (NE > 0) {  // y and v in registers
+        typedef typename Vec<F>::type V;
+        constexpr int W = Vec<F>::W, NV = NE / W;
+        V yv[NV], vv[NV];
+        for (int j = 0; j < NV; j++) yv[j] = V{}, vv[j] = vload(vt + j * W);
+        for (int l = 0; l < L; l++) {
+          const F ql = qt[l], dl = dh[l], z = ql / (s * (n[l] + (F)EPS));
+          F* __restrict row = rho.data() + (int64_t)l * NE;
+          for (int j = 0; j < NV; j++) {
+            const V x = vload(row + j * W);
+            yv[j] += z * x;
+            vstore(row + j * W, dl * x + ql * vv[j]);
+          }
+          n[l] = dl * n[l] + ql;
+        }
+        for (int j = 0; j < NV; j++) vstore(yt + j * W, yv[j]);
+        continue;
+      }
+#pragma omp simd
+      for (int e = 0; e < E; e++) yt[e] = 0;
+      for (int l = 0; l < L; l++) {
+        const F ql = qt[l], dl = dh[l], z = ql / (s * (n[l] + (F)EPS));
+        F* __restrict row = rho.data() + (int64_t)l * E;
+#pragma omp simd
+        for (int e = 0; e < E; e++) {
+          yt[e] += z * row[e];
+          row[e] = dl * row[e] + ql * vt[e];
+        }
+        n[l] = dl * n[l] + ql;
+      }
+    }
+    std::memcpy(rhoT + bh * LE, rho.data(), LE * sizeof(F));
+    std::memcpy(nT + (int64_t)bh * L, n.data(), L * sizeof(F));
+  }
+}
+
+template <typename F>
+void transpose(const F* __restrict src, F* __restrict dst, int rows, int cols) {
+  for (int i = 0; i < rows; i++)
+    for (int j = 0; j < cols; j++) dst[(int64_t)j * rows + i] = src[(int64_t)i * cols + j];
+}
+
+// One reverse step on the transposed state (row e holds ρ[:, e] over the L latents),
+// where three of the four reductions (dρ·v, dρ·ρ, ρ·dy over e) become per-lane sums kept
+// in registers, and only dv_e = Σ_l q_l dρ[l, e] needs a horizontal sum:
+//   a += dρ[:, e] v_e ;  g += dρ[:, e] ⊙ ρ[:, e] ;  r += ρ[:, e] dy_e ;  dv_e = q · dρ[:, e]
+//   dρ[:, e] = d ⊙ dρ[:, e] + dy_e z
+// NL = L at compile time (a multiple of the vector width), or 0 for the generic loops.
+template <typename F, int NL>
+inline void backward_rows(F* __restrict dRT, const F* __restrict PT, const F* __restrict q, const F* __restrict d,
+                          const F* __restrict z, const F* __restrict v, const F* __restrict dy, F* __restrict dv,
+                          F* __restrict a, F* __restrict g, F* __restrict r, int L, int E) {
+  if constexpr (NL > 0) {
+    typedef typename Vec<F>::type V;
+    constexpr int W = Vec<F>::W, NV = NL / W;
+    V qv[NV], dvv[NV], zv[NV], acc_a[NV], acc_g[NV], acc_r[NV];
+    for (int j = 0; j < NV; j++) {
+      qv[j] = vload(q + j * W), dvv[j] = vload(d + j * W), zv[j] = vload(z + j * W);
+      acc_a[j] = acc_g[j] = acc_r[j] = V{};
+    }
+    for (int e = 0; e < E; e++) {
+      F* __restrict row = dRT + (int64_t)e * NL;
+      const F* __restrict prow = PT + (int64_t)e * NL;
+      const F ve = v[e], dye = dy[e];
+      V pd = V{};
+      for (int j = 0; j < NV; j++) {
+        const V x = vload(row + j * W), p = vload(prow + j * W);
+        acc_a[j] += x * ve, acc_g[j] += x * p, acc_r[j] += p * dye;
+        pd += x * qv[j];
+        vstore(row + j * W, x * dvv[j] + dye * zv[j]);
+      }
+      dv[e] = hsum<F>(pd);
+    }
+    for (int j = 0; j < NV; j++) vstore(a + j * W, acc_a[j]), vstore(g + j * W, acc_g[j]), vstore(r + j * W, acc_r[j]);
+  } else {
+    for (int l = 0; l < L; l++) a[l] = g[l] = r[l] = 0;
+    for (int e = 0; e < E; e++) {
+      F* __restrict row = dRT + (int64_t)e * L;
+      const F* __restrict prow = PT + (int64_t)e * L;
+      const F ve = v[e], dye = dy[e];
+      F pd = 0;
+#pragma omp simd reduction(+ : pd)
+      for (int l = 0; l < L; l++) {
+        const F x = row[l], p = prow[l];
+        a[l] += x * ve, g[l] += x * p, r[l] += p * dye;
+        pd += x * q[l];
+        row[l] = x * d[l] + dye * z[l];
+      }
+      dv[e] = pd;
+    }
+  }
+}
+
+template <typename F, int NL>
+void backward(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps, const F* dy, const F* drhoT,
+              const F* dnT, F* dq, F* dv, F* dd, F* drho0, F* dn0, int B, int T, int H, int Hv, int L_runtime, int E,
+              int chunk, int threads) {
+  const int L = NL ? NL : L_runtime;
+  const int n_chunks = (T + chunk - 1) / chunk;
+  const int64_t LE = (int64_t)L * E;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int bh = 0; bh < B * H; bh++) {
+    const int b = bh / H, h = bh % H;
+    const F* dh = d + (int64_t)h * L;
+    std::vector<F> dRT(LE), dn(dnT + (int64_t)bh * L, dnT + (int64_t)(bh + 1) * L);
+    transpose(drhoT + bh * LE, dRT.data(), L, E);
+    // The transposed state before each step of the chunk, and n before each step.
+    std::vector<F> rhos((int64_t)chunk * LE), ns((int64_t)chunk * L);
+    std::vector<F> z(L), a(L), g(L), r(L);
+    std::vector<double> dd_acc(L, 0.0);
+    std::vector<F> dd_chunk(L);
+    for (int c = n_chunks - 1; c >= 0; c--) {
+      const int t0 = c * chunk, len = T - t0 < chunk ? T - t0 : chunk;
+      transpose(snaps + ((int64_t)bh * n_chunks + c) * LE, rhos.data(), L, E);
+      std::memcpy(ns.data(), nsnaps + ((int64_t)bh * n_chunks + c) * L, L * sizeof(F));
+      for (int i = 0; i + 1 < len; i++) {  // ρᵀ[e] = d ⊙ ρᵀ[e] + v_e q
+        const int t = t0 + i;
+        const F* __restrict qt = q + (((int64_t)b * T + t) * H + h) * L;
+        const F* vt = v + (((int64_t)b * T + t) * Hv + (Hv == 1 ? 0 : h)) * E;
+        const F* cur = rhos.data() + i * LE;
+        F* next = rhos.data() + (i + 1) * LE;
+        for (int e = 0; e < E; e++) {
+          const F* __restrict src = cur + (int64_t)e * L;
+          F* __restrict dst = next + (int64_t)e * L;
+          const F ve = vt[e];
+#pragma omp simd
+          for (int l = 0; l < L; l++) dst[l] = dh[l] * src[l] + ve * qt[l];
+        }
+        for (int l = 0; l < L; l++) ns[(i + 1) * L + l] = dh[l] * ns[i * L + l] + qt[l];
+      }
+      for (int l = 0; l < L; l++) dd_chunk[l] = 0;
+      for (int i = len - 1; i >= 0; i--) {
+        const int t = t0 + i;
+        const int64_t o = ((int64_t)b * T + t) * H + h;
+        const F* qt = q + o * L;
+        const F* vt = v + (((int64_t)b * T + t) * Hv + (Hv == 1 ? 0 : h)) * E;
+        const F* np = ns.data() + i * L;
+        F s = (F)EPS;
+        for (int l = 0; l < L; l++) s += qt[l];
+        for (int l = 0; l < L; l++) z[l] = qt[l] / (s * (np[l] + (F)EPS));
+        backward_rows<F, NL>(dRT.data(), rhos.data() + i * LE, qt, dh, z.data(), vt, dy + o * E, dv + o * E,
+                             a.data(), g.data(), r.data(), L, E);
+        F zdz = 0;
+        for (int l = 0; l < L; l++) zdz += r[l] * z[l];
+        F* dqt = dq + o * L;
+        for (int l = 0; l < L; l++) {
+          const F im = 1 / (np[l] + (F)EPS);
+          dd_chunk[l] += g[l] + dn[l] * np[l];
+          dqt[l] = a[l] + dn[l] + (r[l] * im - zdz) / s;
+          dn[l] = dh[l] * dn[l] - r[l] * z[l] * im;
+        }
+      }
+      for (int l = 0; l < L; l++) dd_acc[l] += dd_chunk[l];
+    }
+    transpose(dRT.data(), drho0 + bh * LE, E, L);
+    std::memcpy(dn0 + (int64_t)bh * L, dn.data(), L * sizeof(F));
+    for (int l = 0; l < L; l++) dd[(int64_t)bh * L + l] = (F)dd_acc[l];
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+#define RWKVX_EXPORT(F, SUFFIX)                                                                                      \
+  void rwkv8_forward_##SUFFIX(const F* q, const F* v, const F* d, const F* rho0, const F* n0, F* y, F* rhoT, F* nT, \
+                              F* snaps, F* nsnaps, int B, int T, int H, int Hv, int L, int E, int chunk,             \
+                              int threads) {                                                                         \
+    auto fn = E == 32 ? forward<F, 32> : E == 64 ? forward<F, 64> : E == 128 ? forward<F, 128> : forward<F, 0>;      \
+    fn(q, v, d, rho0, n0, y, rhoT, nT, snaps, nsnaps, B, T, H, Hv, L, E, chunk, threads);                            \
+  }                                                                                                                  \
+  void rwkv8_backward_##SUFFIX(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps, const F* dy,     \
+                               const F* drhoT, const F* dnT, F* dq, F* dv, F* dd, F* drho0, F* dn0, int B, int T,    \
+                               int H, int Hv, int L, int E, int chunk, int threads) {                                \
+    auto fn = L == 32 ? backward<F, 32> : L == 64 ? backward<F, 64> : L == 128 ? backward<F, 128> : backward<F, 0>;  \
+    fn(q, v, d, snaps, nsnaps, dy, drhoT, dnT, dq, dv, dd, drho0, dn0, B, T, H, Hv, L, E, chunk, threads);           \
+  }
+
+RWKVX_EXPORT(float, f32)
+RWKVX_EXPORT(double, f64)
+}

@@ -1,0 +1,261 @@
+"""WKV4 `triton` backend: fused recurrent Triton kernels, forward and backward.
+
+Each program owns a block of BC channels of one batch row (channels are
+independent) and walks the sequence with the stabilised state (aa, bb, pp) in
+fp32 registers (fp64 for fp64 inputs); see reference.py for the step and
+csrc/wkv4_cpu.cpp for the backward's formulas (the
+state gradients (ga, gb, gp) carried with D = gp - ga aa - gb bb). The forward saves the state
+every CHUNK steps; the backward recomputes each chunk's states into a scratch
+buffer and runs the reverse scan. dw and du are written per batch row and
+summed by torch.
+
+Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
+checks it). Inputs fp32 or bf16; state and accumulation fp32.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+CHUNK = 16
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
+    triton = None
+
+
+def unavailable() -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
+    return None
+
+
+if triton is not None:
+
+    @triton.jit
+    def _update(a, b, p, wv, kt, vt):
+        """One step of the state: pp' = max(pp + w, k); also returns s = [pp + w >= k], f1, f2, err.
+        Exponents are differences first, (pp - k) + w, exact for close large pp and k."""
+        d = (p - kt) + wv
+        s = d >= 0
+        f = tl.exp(-tl.abs(d))
+        f1 = tl.where(s, 1.0, f)
+        f2 = tl.where(s, f, 1.0)
+        # err = (pp + w) - fl(pp + w) exactly (TwoSum), folded into aa and bb (see csrc/wkv4_cpu.cpp)
+        sm = p + wv
+        bp = sm - p
+        err = tl.where(s, (p - (sm - bp)) + (wv - bp), 0.0)
+        a_new = f1 * a + f2 * vt
+        b_new = f1 * b + f2
+        return a_new + a_new * err, b_new + b_new * err, tl.where(s, sm, kt), s, f1, f2, err
+
+    @triton.jit
+    def _output(a, b, p, uv, kt, vt):
+        """y_t from the state before step t, with e1, e2 and 1 / den for the backward."""
+        d = (p - kt) - uv
+        e = tl.exp(-tl.abs(d))
+        s2 = d >= 0
+        e1 = tl.where(s2, 1.0, e)
+        e2 = tl.where(s2, e, 1.0)
+        inv = 1.0 / (e1 * b + e2)
+        return (e1 * a + e2 * vt) * inv, e1, e2, inv
+
+    @triton.jit
+    def _fwd_kernel(
+        w,
+        u,
+        k,
+        v,
+        aa0,
+        bb0,
+        pp0,
+        y,
+        aaT,
+        bbT,
+        ppT,
+        snaps,
+        T,
+        C,
+        BC: tl.constexpr,
+        CHUNK: tl.constexpr,
+        NC,
+        DT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        mc = cols < C
+        wv = tl.load(w + cols, mask=mc, other=0.0).to(DT)
+        uv = tl.load(u + cols, mask=mc, other=0.0).to(DT)
+        a = tl.load(aa0 + b * C + cols, mask=mc, other=0.0).to(DT)
+        bs = tl.load(bb0 + b * C + cols, mask=mc, other=0.0).to(DT)
+        p = tl.load(pp0 + b * C + cols, mask=mc, other=0.0).to(DT)
+        for t in range(T):
+            if t % CHUNK == 0:
+                snap = snaps + (b * NC + t // CHUNK) * 3 * C + cols
+                tl.store(snap, a, mask=mc)
+                tl.store(snap + C, bs, mask=mc)
+                tl.store(snap + 2 * C, p, mask=mc)
+            base = (b * T + t) * C + cols
+            kt = tl.load(k + base, mask=mc, other=0.0).to(DT)
+            vt = tl.load(v + base, mask=mc, other=0.0).to(DT)
+            yt, _, _, _ = _output(a, bs, p, uv, kt, vt)
+            tl.store(y + base, yt.to(y.dtype.element_ty), mask=mc)
+            a, bs, p, _, _, _, _ = _update(a, bs, p, wv, kt, vt)
+        tl.store(aaT + b * C + cols, a, mask=mc)
+        tl.store(bbT + b * C + cols, bs, mask=mc)
+        tl.store(ppT + b * C + cols, p, mask=mc)
+
+    @triton.jit
+    def _bwd_kernel(
+        w,
+        u,
+        k,
+        v,
+        aaT,
+        bbT,
+        snaps,
+        dy,
+        daaT,
+        dbbT,
+        dppT,
+        scratch,
+        dk,
+        dv,
+        daa0,
+        dbb0,
+        dpp0,
+        dw_rows,
+        du_rows,
+        T,
+        C,
+        BC: tl.constexpr,
+        CHUNK: tl.constexpr,
+        NC,
+        DT: tl.constexpr,
+    ):
+        b = tl.program_id(0)
+        ic = tl.program_id(1)
+        lane = tl.arange(0, BC)
+        cols = ic * BC + lane
+        mc = cols < C
+        wv = tl.load(w + cols, mask=mc, other=0.0).to(DT)
+        uv = tl.load(u + cols, mask=mc, other=0.0).to(DT)
+        st = b * C + cols
+        ga = tl.load(daaT + st, mask=mc, other=0.0).to(DT)
+        gb = tl.load(dbbT + st, mask=mc, other=0.0).to(DT)
+        gp = tl.load(dppT + st, mask=mc, other=0.0).to(DT)
+        # D = gp - ga aa - gb bb: the part of pp's gradient the gauge identity does not give
+        D = gp - ga * tl.load(aaT + st, mask=mc, other=0.0) - gb * tl.load(bbT + st, mask=mc, other=0.0)
+        gw = tl.zeros([BC], dtype=DT)
+        gu = tl.zeros([BC], dtype=DT)
+        scr = scratch + (b * tl.num_programs(1) + ic) * CHUNK * 3 * BC + lane  # [CHUNK, 3, BC]
+        for cc in range(NC):
+            c = NC - 1 - cc
+            t0 = c * CHUNK
+            snap = snaps + (b * NC + c) * 3 * C + cols
+            a = tl.load(snap, mask=mc, other=0.0)
+            bs = tl.load(snap + C, mask=mc, other=0.0)
+            p = tl.load(snap + 2 * C, mask=mc, other=0.0)
+            for i in range(CHUNK):  # recompute the chunk's states before each step
+                ok = mc & ((cols * 0 + t0 + i) < T)  # the last chunk may be partial
+                base = (b * T + t0 + i) * C + cols
+                tl.store(scr + i * 3 * BC, a)
+                tl.store(scr + i * 3 * BC + BC, bs)
+                tl.store(scr + i * 3 * BC + 2 * BC, p)
+                kt = tl.load(k + base, mask=ok, other=0.0).to(DT)
+                vt = tl.load(v + base, mask=ok, other=0.0).to(DT)
+                a, bs, p, _, _, _, _ = _update(a, bs, p, wv, kt, vt)
+            for j in range(CHUNK):  # the reverse scan
+                i = CHUNK - 1 - j
+                ok = mc & ((cols * 0 + t0 + i) < T)
+                base = (b * T + t0 + i) * C + cols
+                at = tl.load(scr + i * 3 * BC)
+                bt = tl.load(scr + i * 3 * BC + BC)
+                pt = tl.load(scr + i * 3 * BC + 2 * BC)
+                kt = tl.load(k + base, mask=ok, other=0.0).to(DT)
+                vt = tl.load(v + base, mask=ok, other=0.0).to(DT)
+                dyt = tl.load(dy + base, mask=ok, other=0.0).to(DT)
+                _, _, _, s, f1, f2, err = _update(at, bt, pt, wv, kt, vt)
+                nw = f2 * (ga * vt + gb)
+                nw = nw + nw * err
+                gp_upd = tl.where(s, gp - nw, f1 * (ga * at + gb * bt))
+                gw = gw + tl.where(ok, gp_upd, 0.0)
+                gk = tl.where(s, nw, nw + D)
+                gv = f2 * ga
+                gv = gv + gv * err
+                D = tl.where(ok, tl.where(s, D, 0.0), D)
+                ga_u = ga * f1
+                gb_u = gb * f1
+                yt, e1, e2, inv = _output(at, bt, pt, uv, kt, vt)
+                g = dyt * inv
+                ga = tl.where(ok, ga_u + ga_u * err + g * e1, ga)
+                gb = tl.where(ok, gb_u + gb_u * err - g * e1 * yt, gb)
+                gp = tl.where(ok, gp_upd + g * e1 * (at - yt * bt), gp)
+                gy = g * e2 * (vt - yt)
+                gu = gu + tl.where(ok, gy, 0.0)
+                tl.store(dk + base, (gk + gy).to(dk.dtype.element_ty), mask=ok)
+                tl.store(dv + base, (gv + g * e2).to(dv.dtype.element_ty), mask=ok)
+        tl.store(daa0 + st, ga, mask=mc)
+        tl.store(dbb0 + st, gb, mask=mc)
+        tl.store(dpp0 + st, gp, mask=mc)
+        tl.store(dw_rows + st, gw, mask=mc)
+        tl.store(du_rows + st, gu, mask=mc)
+
+
+def _compute_dtype(dtype: torch.dtype):
+    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def _block(C: int) -> int:
+    return min(64, max(16, triton.next_power_of_2(C)))
+
+
+class _WKV4Triton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, w, u, k, v, aa, bb, pp):
+        B, T, H, N = k.shape
+        C = H * N
+        cdt, DT = _compute_dtype(k.dtype)
+        ins = [x.detach().contiguous() for x in (w, u, k, v)]
+        s0 = [s.detach().to(cdt).contiguous() for s in (aa, bb, pp)]
+        BC, NC = _block(C), triton.cdiv(T, CHUNK)
+        y = torch.empty_like(ins[2])
+        s_out = [torch.empty_like(s0[0]) for _ in range(3)]
+        snaps = s0[0].new_empty(B, NC, 3, C)
+        _fwd_kernel[(B, triton.cdiv(C, BC))](*ins, *s0, y, *s_out, snaps, T, C, BC, CHUNK, NC, DT)
+        ctx.save_for_backward(*ins, s_out[0], s_out[1], snaps)
+        ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
+        return (y, *s_out)
+
+    @staticmethod
+    def backward(ctx, dy, daa, dbb, dpp):
+        w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
+        B, T, H, N = k.shape
+        C = H * N
+        cdt, DT = _compute_dtype(k.dtype)
+        BC, NC = _block(C), triton.cdiv(T, CHUNK)
+        grid = (B, triton.cdiv(C, BC))
+        f = dict(dtype=cdt, device=k.device)
+        scratch = torch.empty(B * grid[1] * CHUNK * 3 * BC, **f)
+        dk, dv = torch.empty(B, T, H, N, **f), torch.empty(B, T, H, N, **f)
+        ds0 = [torch.empty(B, H, N, **f) for _ in range(3)]
+        dw_rows, du_rows = torch.empty(B, H, N, **f), torch.empty(B, H, N, **f)
+        douts = [g.contiguous() for g in (dy, daa.to(cdt), dbb.to(cdt), dpp.to(cdt))]
+        _bwd_kernel[grid](
+            w, u, k, v, aaT, bbT, snaps, *douts, scratch, dk, dv, *ds0, dw_rows, du_rows,
+            T, C, BC, CHUNK, NC, DT,
+        )  # fmt: skip
+        grads = (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
+        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+
+
+def wkv4_triton(w, u, k, v, state):
+    y, aa, bb, pp = _WKV4Triton.apply(w, u, k, v, *state)
+    return y, (aa, bb, pp)
