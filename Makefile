@@ -37,8 +37,7 @@ demo-rwkvx: $(STAMP)
 
 # Prove the kernels' gradients (both gates, every production backend).
 gradcheck: $(STAMP)
-	$(BIN)/rwkvx gradcheck --op wkv7
-	$(BIN)/rwkvx gradcheck --op moba
+	for op in wkv7 moba wkv4 rwkv8 gdn kda; do $(BIN)/rwkvx gradcheck --op $$op || exit 1; done
 
 # The standard CPU benchmark set (every op at its default shapes, fwd+bwd, fp32).
 bench: $(STAMP)

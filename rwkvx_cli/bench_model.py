@@ -1,11 +1,12 @@
 """`rwkvx bench --model CFG`: a few training steps of a config on random tokens.
 
 MFU = tokens/s x train FLOPs per token / measured matmul peak, with train FLOPs
-per token = 6 x matmul weights + 28 N² per head per RWKV layer, the count
-`rwkvx init` prints (attention FLOPs not included). The time split comes from
-torch.profiler: the self time of every event inside a recurrence op (the wkv7
-and moba autograd functions, forward and backward, with the aten calls they
-make), of the other matmul calls, and of everything else.
+per token = 6 x matmul weights + each recurrent layer's op FLOPs for one token
+(the op registry's count, e.g. wkv7: 28 N² per head), the count `rwkvx init`
+prints (attention FLOPs not included). The time split comes from
+torch.profiler: the self time of every event inside a recurrence op (the ops'
+autograd functions, forward and backward, with the aten calls they make), of
+the other matmul calls, and of everything else.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.train.run import model_summary
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
-RECURRENCE_MARKERS = ("WKV7", "Moba", "wkv7", "moba")
+# Names of the ops' autograd functions (and their backward nodes) and op modules.
+RECURRENCE_MARKERS = ("WKV7", "WKV4", "RWKV8", "Delta", "Moba", "wkv7", "wkv4", "rwkv8", "delta", "moba")
 
 
 def _inside_recurrence(event) -> bool:
@@ -87,5 +89,5 @@ def bench_model(config: Path, steps: int, device: torch.device) -> dict:
         "matmul_gflops": peak,
         "mfu_pct": mfu,
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
-        "6 x matmul weights + 28 N^2 x heads x RWKV layers",
+        "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
     }

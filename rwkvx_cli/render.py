@@ -182,7 +182,7 @@ def render_model_bench(r: dict) -> None:
     for key, label in (
         ("tokens_per_s", "tokens/s"),
         ("step_ms", "ms / step"),
-        ("recurrence_pct", "recurrence (wkv7/moba) %"),
+        ("recurrence_pct", "recurrence ops %"),
         ("matmul_pct", "matmuls %"),
         ("other_pct", "other %"),
         ("train_flops_per_token", "train FLOPs / token"),
