@@ -16,7 +16,10 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
+
+import torch
 
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 
@@ -80,3 +83,17 @@ def _build_and_load(source: Path) -> ctypes.CDLL:
         return ctypes.CDLL(str(target))
     except OSError as e:
         raise NativeBuildError(f"cannot load {target}: {e}") from None
+
+
+def native_unavailable(library: Callable[[], ctypes.CDLL]) -> str | None:
+    """None when the kernel that `library()` loads builds and loads here, else the reason."""
+    try:
+        library()
+    except NativeBuildError as e:
+        return str(e)
+    return None
+
+
+def ptr(t: torch.Tensor) -> ctypes.c_void_p:
+    """A tensor's data pointer for a C call (the caller keeps the tensor alive)."""
+    return ctypes.c_void_p(t.data_ptr())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.ops._native import NativeBuildError, load_library
+from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
 SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a core's L2
 SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"
@@ -29,15 +29,7 @@ def _library() -> ctypes.CDLL:
 
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
-    try:
-        _library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+    return native_unavailable(_library)
 
 
 def chunk_size(N: int, itemsize: int) -> int:
@@ -78,7 +70,7 @@ class _DeltaCPU(torch.autograd.Function):
         lib = _library()
         fn = lib.delta_forward_f64 if cdt == torch.float64 else lib.delta_forward_f32
         args = (q_, k_, v_, A, beta_, s0, y, s_out, snaps, w)
-        _check(fn(*map(_ptr, args), B, T, H, N, G, scale, chunk, _threads(B * H)), N)
+        _check(fn(*map(ptr, args), B, T, H, N, G, scale, chunk, _threads(B * H)), N)
         ctx.save_for_backward(q_, k_, A, beta_, snaps, w)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.dtypes = (q.dtype, g.dtype, beta.dtype, state.dtype)
@@ -97,7 +89,7 @@ class _DeltaCPU(torch.autograd.Function):
         lib = _library()
         fn = lib.delta_backward_f64 if cdt == torch.float64 else lib.delta_backward_f32
         args = (q_, k_, A, beta_, snaps, w, dy, ds_out, dq, dk, dv, dg, dbeta, ds0)
-        _check(fn(*map(_ptr, args), B, T, H, N, G, ctx.scale, ctx.chunk, _threads(B * H)), N)
+        _check(fn(*map(ptr, args), B, T, H, N, G, ctx.scale, ctx.chunk, _threads(B * H)), N)
         x_dtype, g_dtype, beta_dtype, state_dtype = ctx.dtypes
         return (
             *(x.to(x_dtype) for x in (dq, dk, dv)),

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.ops._native import NativeBuildError, load_library
+from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "rwkv8_cpu.cpp"
@@ -22,15 +22,7 @@ def _library() -> ctypes.CDLL:
 
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
-    try:
-        _library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+    return native_unavailable(_library)
 
 
 class _RWKV8CPU(torch.autograd.Function):
@@ -48,7 +40,7 @@ class _RWKV8CPU(torch.autograd.Function):
         nsnaps = y.new_empty(B, H, n_chunks, L)
         fn = _library().rwkv8_forward_f64 if cdt == torch.float64 else _library().rwkv8_forward_f32
         fn(
-            *map(_ptr, (*ins, *s0, y, rho_out, norm_out, snaps, nsnaps)),
+            *map(ptr, (*ins, *s0, y, rho_out, norm_out, snaps, nsnaps)),
             B,
             T,
             H,
@@ -75,7 +67,7 @@ class _RWKV8CPU(torch.autograd.Function):
         drho0, dnorm0 = torch.empty_like(douts[1]), torch.empty_like(douts[2])
         fn = _library().rwkv8_backward_f64 if cdt == torch.float64 else _library().rwkv8_backward_f32
         fn(
-            *map(_ptr, (q, v, d, snaps, nsnaps, *douts, dq, dv_heads, dd_rows, drho0, dnorm0)),
+            *map(ptr, (q, v, d, snaps, nsnaps, *douts, dq, dv_heads, dd_rows, drho0, dnorm0)),
             *(B, T, H, Hv, L, E, CHUNK, torch.get_num_threads()),
         )
         dv = dv_heads.sum(2, keepdim=True) if Hv == 1 and H > 1 else dv_heads

@@ -14,27 +14,12 @@ checks it). Inputs fp32 or bf16; state and accumulation fp32.
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
 CHUNK = 16
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
-    triton = None
-
-
-def unavailable() -> str | None:
-    if triton is None:
-        return "triton is not installed"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
-    return None
 
 
 if triton is not None:

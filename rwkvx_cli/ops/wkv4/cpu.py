@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.ops._native import NativeBuildError, load_library
+from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
 CHUNK = 32
 SOURCE = Path(__file__).parent / "csrc" / "wkv4_cpu.cpp"
@@ -23,15 +23,7 @@ def _library() -> ctypes.CDLL:
 
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
-    try:
-        _library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+    return native_unavailable(_library)
 
 
 class _WKV4CPU(torch.autograd.Function):
@@ -45,7 +37,7 @@ class _WKV4CPU(torch.autograd.Function):
         s_out = [torch.empty_like(s0[0]) for _ in range(3)]
         snaps = y.new_empty(B, (T + CHUNK - 1) // CHUNK, 3, H * N)
         fn = _library().wkv4_forward_f64 if cdt == torch.float64 else _library().wkv4_forward_f32
-        fn(*map(_ptr, (*ins, *s0, y, *s_out, snaps)), B, T, H * N, CHUNK, torch.get_num_threads())
+        fn(*map(ptr, (*ins, *s0, y, *s_out, snaps)), B, T, H * N, CHUNK, torch.get_num_threads())
         ctx.save_for_backward(*ins, s_out[0], s_out[1], snaps)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
         return (y.to(k.dtype), *s_out)
@@ -62,7 +54,7 @@ class _WKV4CPU(torch.autograd.Function):
         ds0 = [torch.empty_like(aaT) for _ in range(3)]
         fn = _library().wkv4_backward_f64 if cdt == torch.float64 else _library().wkv4_backward_f32
         fn(
-            *map(_ptr, (w, u, k, v, aaT, bbT, snaps, *douts, dw_rows, du_rows, dk, dv, *ds0)),
+            *map(ptr, (w, u, k, v, aaT, bbT, snaps, *douts, dw_rows, du_rows, dk, dv, *ds0)),
             B,
             T,
             H * N,

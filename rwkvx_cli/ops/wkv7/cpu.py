@@ -10,7 +10,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.ops._native import NativeBuildError, load_library
+from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "wkv7_cpu.cpp"
@@ -22,15 +22,7 @@ def _library() -> ctypes.CDLL:
 
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
-    try:
-        _library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
-
-
-def _ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    return ctypes.c_void_p(t.data_ptr())
+    return native_unavailable(_library)
 
 
 class _WKV7CPU(torch.autograd.Function):
@@ -46,7 +38,7 @@ class _WKV7CPU(torch.autograd.Function):
         snaps = ins[0].new_empty(B, H, (T + CHUNK - 1) // CHUNK, N, N)
         sas = torch.empty_like(ins[0])
         fn = _library().wkv7_forward_f64 if cdt == torch.float64 else _library().wkv7_forward_f32
-        fn(*map(_ptr, (*ins, s0, y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
+        fn(*map(ptr, (*ins, s0, y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
         ctx.save_for_backward(*ins, snaps, sas)
         ctx.dtypes = (r.dtype, state.dtype)
         return y.to(r.dtype), s_out
@@ -61,7 +53,7 @@ class _WKV7CPU(torch.autograd.Function):
         grads = [torch.empty_like(ins[0]) for _ in range(6)]
         ds0 = torch.empty_like(ds_out)
         fn = _library().wkv7_backward_f64 if cdt == torch.float64 else _library().wkv7_backward_f32
-        fn(*map(_ptr, (*ins, snaps, sas, dy, ds_out, *grads, ds0)), B, T, H, N, CHUNK, torch.get_num_threads())
+        fn(*map(ptr, (*ins, snaps, sas, dy, ds_out, *grads, ds0)), B, T, H, N, CHUNK, torch.get_num_threads())
         in_dtype, state_dtype = ctx.dtypes
         return (*(g.to(in_dtype) for g in grads), ds0.to(state_dtype))
 

@@ -15,25 +15,11 @@ RWKV-LM-style design; a chunked (WY, tensor-core) Triton kernel is still to come
 
 from __future__ import annotations
 
-import os
-
 import torch
 
+from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+
 CHUNK = 16
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
-    triton = None
-
-
-def unavailable() -> str | None:
-    if triton is None:
-        return "triton is not installed"
-    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
-        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
-    return None
 
 
 if triton is not None:

@@ -1,0 +1,24 @@
+"""Triton, when installed, and whether its kernels can run here: on CUDA, or on
+CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, the test suite)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
+    triton = tl = None
+
+__all__ = ["tl", "triton", "unavailable"]
+
+
+def unavailable() -> str | None:
+    if triton is None:
+        return "triton is not installed"
+    if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
+        return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
+    return None
