@@ -13,7 +13,7 @@ try:
 except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
     triton = tl = None
 
-__all__ = ["tl", "triton", "unavailable"]
+__all__ = ["compute_dtype", "tl", "triton", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -22,3 +22,9 @@ def unavailable() -> str | None:
     if not torch.cuda.is_available() and os.environ.get("TRITON_INTERPRET") != "1":
         return "no CUDA device (set TRITON_INTERPRET=1 to run the kernels on CPU tensors)"
     return None
+
+
+def compute_dtype(dtype: torch.dtype):
+    """(torch, triton) dtypes of the state and accumulation: fp32, or fp64 throughout for
+    fp64 inputs (the gradient checks)."""
+    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 CHUNK = 16
 
@@ -190,18 +190,13 @@ def _blocks(N: int) -> tuple[int, int, int]:
     return BK, BV, triton.cdiv(N, BV)
 
 
-def _compute_dtype(dtype: torch.dtype):
-    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale):
         B, T, H, N = q.shape
         G = g.shape[-1]
         ins = [x.detach().contiguous() for x in (q, k, v, g, beta)]
-        cdt, DT = _compute_dtype(q.dtype)
+        cdt, DT = compute_dtype(q.dtype)
         s0 = state.detach().to(cdt).contiguous()
         BK, BV, NVB = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
@@ -221,7 +216,7 @@ class _DeltaTriton(torch.autograd.Function):
         G = ins[3].shape[-1]
         BK, BV, NVB = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
-        cdt, DT = _compute_dtype(ins[0].dtype)
+        cdt, DT = compute_dtype(ins[0].dtype)
         f = dict(dtype=cdt, device=dy.device)
         scratch = torch.empty(B * H * NVB * CHUNK * BK * BV, **f)
         scratch_w = torch.empty(B * H * NVB * CHUNK * BV, **f)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
 CHUNK = 16
@@ -187,17 +187,12 @@ def _blocks(L: int, E: int) -> tuple[int, int, int, int]:
     return BR, triton.next_power_of_2(E), BL, triton.cdiv(L, BR)
 
 
-def _compute_dtype(dtype: torch.dtype):
-    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 class _RWKV8Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, v, d, rho, norm):
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
-        cdt, DT = _compute_dtype(q.dtype)
+        cdt, DT = compute_dtype(q.dtype)
         ins = [x.detach().contiguous() for x in (q, v, d)]
         s0 = [s.detach().to(cdt).contiguous() for s in (rho, norm)]
         BR, BE, BL, NR = _blocks(L, E)
@@ -218,7 +213,7 @@ class _RWKV8Triton(torch.autograd.Function):
         q, v, d, snaps, nsnaps = ctx.saved_tensors
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
-        cdt, DT = _compute_dtype(q.dtype)
+        cdt, DT = compute_dtype(q.dtype)
         BR, BE, BL, NR = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)
         f = dict(dtype=cdt, device=q.device)

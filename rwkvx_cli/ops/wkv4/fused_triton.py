@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 CHUNK = 16
 
@@ -194,11 +194,6 @@ if triton is not None:
         tl.store(du_rows + st, gu, mask=mc)
 
 
-def _compute_dtype(dtype: torch.dtype):
-    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 def _block(C: int) -> int:
     return min(64, max(16, triton.next_power_of_2(C)))
 
@@ -208,7 +203,7 @@ class _WKV4Triton(torch.autograd.Function):
     def forward(ctx, w, u, k, v, aa, bb, pp):
         B, T, H, N = k.shape
         C = H * N
-        cdt, DT = _compute_dtype(k.dtype)
+        cdt, DT = compute_dtype(k.dtype)
         ins = [x.detach().contiguous() for x in (w, u, k, v)]
         s0 = [s.detach().to(cdt).contiguous() for s in (aa, bb, pp)]
         BC, NC = _block(C), triton.cdiv(T, CHUNK)
@@ -225,7 +220,7 @@ class _WKV4Triton(torch.autograd.Function):
         w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
         B, T, H, N = k.shape
         C = H * N
-        cdt, DT = _compute_dtype(k.dtype)
+        cdt, DT = compute_dtype(k.dtype)
         BC, NC = _block(C), triton.cdiv(T, CHUNK)
         grid = (B, triton.cdiv(C, BC))
         f = dict(dtype=cdt, device=k.device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 CHUNK = 16
 
@@ -171,17 +171,12 @@ def _blocks(N: int) -> tuple[int, int, int]:
     return BK, BV, triton.cdiv(N, BV)
 
 
-def _compute_dtype(dtype: torch.dtype):
-    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
-    return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
-
-
 class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
         ins = [x.detach().contiguous() for x in (r, w, k, v, a, b)]
-        cdt, DT = _compute_dtype(r.dtype)
+        cdt, DT = compute_dtype(r.dtype)
         s0 = state.detach().to(cdt).contiguous()
         BK, BV, NV = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
@@ -199,7 +194,7 @@ class _WKV7Triton(torch.autograd.Function):
         B, T, H, N = ins[0].shape
         BK, BV, NV = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
-        cdt, DT = _compute_dtype(ins[0].dtype)
+        cdt, DT = compute_dtype(ins[0].dtype)
         f32 = dict(dtype=cdt, device=dy.device)
         scratch = torch.empty(B * H * NV * CHUNK * BV * BK, **f32)
         scratch_sa = torch.empty(B * H * NV * CHUNK * BV, **f32)
