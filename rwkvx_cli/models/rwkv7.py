@@ -9,7 +9,6 @@ truncated BPTT and generates one token at a time in O(1).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -22,11 +21,9 @@ def lora_rank(multiplier: float, C: int) -> int:
     return max(32, int(round(multiplier * math.sqrt(C) / 32) * 32))
 
 
-@dataclass
-class BlockState:
-    att_shift: torch.Tensor  # [B, C]: the previous token's ln1 output
-    wkv: torch.Tensor  # [B, H, N, N] fp32
-    ffn_shift: torch.Tensor  # [B, C]: the previous token's ln2 output
+# A block's recurrent state: att_shift [B, C] and ffn_shift [B, C] (the previous token's
+# ln1 / ln2 outputs) and wkv [B, H, N, N] fp32, by name, like every block kind's state.
+BlockState = dict[str, torch.Tensor]
 
 
 def token_shift(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
@@ -112,17 +109,17 @@ class Block(nn.Module):
 
     def empty_state(self, B: int, device) -> BlockState:
         C, H, N = self.ln1.normalized_shape[0], self.att.n_head, self.att.head_size
-        return BlockState(
-            torch.zeros(B, C, device=device),
-            torch.zeros(B, H, N, N, device=device),
-            torch.zeros(B, C, device=device),
-        )
+        return {
+            "att_shift": torch.zeros(B, C, device=device),
+            "wkv": torch.zeros(B, H, N, N, device=device),
+            "ffn_shift": torch.zeros(B, C, device=device),
+        }
 
     def forward(self, x, v_first, state: BlockState | None = None):
         if hasattr(self, "ln0"):
             x = self.ln0(x)
-        s = state
-        att, v_first, att_shift, wkv = self.att(self.ln1(x), v_first, s.att_shift if s else None, s.wkv if s else None)
+        s = state or {}
+        att, v_first, att_shift, wkv = self.att(self.ln1(x), v_first, s.get("att_shift"), s.get("wkv"))
         x = x + att
-        ffn, ffn_shift = self.ffn(self.ln2(x), s.ffn_shift if s else None)
-        return x + ffn, v_first, BlockState(att_shift, wkv, ffn_shift)
+        ffn, ffn_shift = self.ffn(self.ln2(x), s.get("ffn_shift"))
+        return x + ffn, v_first, {"att_shift": att_shift, "wkv": wkv, "ffn_shift": ffn_shift}

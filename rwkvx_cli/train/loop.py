@@ -10,7 +10,6 @@ Library code: it reports through the `on_event` callback and never prints.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import time
@@ -31,20 +30,6 @@ from rwkvx_cli.train import distributed
 from rwkvx_cli.train.checkpoint import CheckpointError
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.schedule import lr_at
-
-
-def state_tensors(state) -> dict[str, torch.Tensor]:
-    """A block's recurrent state by field name: a dataclass (RWKV-7's BlockState) or a dict."""
-    if state is None:
-        return {}
-    if isinstance(state, dict):
-        return state
-    return {f.name: getattr(state, f.name) for f in dataclasses.fields(state)}
-
-
-def state_like(template, tensors: dict[str, torch.Tensor]):
-    """A block state of the same kind as `template` holding `tensors`."""
-    return dict(tensors) if isinstance(template, dict) else type(template)(**tensors)
 
 
 @dataclass
@@ -210,8 +195,8 @@ class Trainer:
             return {}
         out = {}
         for i, template in enumerate(self.carry[0]):
-            for name in state_tensors(template):
-                local = torch.cat([state_tensors(c[i])[name] for c in self.carry])
+            for name in template or {}:
+                local = torch.cat([c[i][name] for c in self.carry])
                 out[f"carry.{i}.{name}"] = distributed.gather_rows(local, self.dist.world_size)
         return out
 
@@ -232,7 +217,7 @@ class Trainer:
         if not by_key or not self.cfg.train.tbptt:
             return  # a run resumed without truncated BPTT starts each window from a zero state
         templates = self.model.empty_state(self.global_rows, "meta")
-        wanted = {(i, name): t for i, tmpl in enumerate(templates) for name, t in state_tensors(tmpl).items()}
+        wanted = {(i, name): t for i, tmpl in enumerate(templates) for name, t in (tmpl or {}).items()}
         for key, val in by_key.items():
             want = wanted.get(key)
             if want is None or val.shape != want.shape or not val.is_floating_point():
@@ -246,13 +231,7 @@ class Trainer:
             self.carry[c] = [
                 None
                 if tmpl is None
-                else state_like(
-                    tmpl,
-                    {
-                        name: distributed.local_rows(by_key[i, name], self.dist)[rows].to(self.device)
-                        for name in state_tensors(tmpl)
-                    },
-                )
+                else {name: distributed.local_rows(by_key[i, name], self.dist)[rows].to(self.device) for name in tmpl}
                 for i, tmpl in enumerate(templates)
             ]
 
@@ -341,10 +320,7 @@ class Trainer:
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
                     logits, state = self.forward(x[rows], self.carry[micro])
                 if t.tbptt:
-                    self.carry[micro] = [
-                        None if s is None else state_like(s, {k: v.detach() for k, v in state_tensors(s).items()})
-                        for s in state
-                    ]
+                    self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
                 loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y[rows].flatten())
                 (loss * weight).backward()
             total += loss.detach() * weight

@@ -83,7 +83,7 @@ def test_resume_round_trip(tmp_path, saved):
     trainer = make_trainer(tmp_path)
     assert trainer.resume() == 1
     assert all(torch.equal(weights[k], v) for k, v in trainer.model.state_dict().items())
-    assert trainer.carry[0] is not None and trainer.carry[0][0].wkv.shape == (2, 2, 16, 16)
+    assert trainer.carry[0] is not None and trainer.carry[0][0]["wkv"].shape == (2, 2, 16, 16)
 
 
 json_values = st.recursive(
