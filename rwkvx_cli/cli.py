@@ -44,6 +44,9 @@ def reports_errors(fn):
         except RwkvxError as e:
             err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
+        except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
+            err.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
 
     return wrapper
 
@@ -341,7 +344,7 @@ def export(
     """Write a checkpoint as RWKV-LM's state dict (.pth, tensors only) or as safetensors."""
     from rwkvx_cli.train.export import export_checkpoint
 
-    info = export_checkpoint(checkpoint, out_path, fmt, dtype)
+    info = export_checkpoint(checkpoint, out_path, fmt, dtype, on_skip=_warn_skipped)
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})")
 
 

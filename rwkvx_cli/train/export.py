@@ -17,12 +17,13 @@ from rwkvx_cli.train import checkpoint as ck
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32") -> dict:
+def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32", on_skip=None) -> dict:
+    """`on_skip(path, reason)` hears of each damaged checkpoint passed over for an older one."""
     if fmt not in ("rwkv-lm", "safetensors"):
         raise UsageError(f"unknown export format {fmt!r}; valid: rwkv-lm, safetensors")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    path = ck.resolve_checkpoint(checkpoint)
+    path = ck.resolve_checkpoint(checkpoint, on_skip)
     meta = ck.read_meta(path)
     weights = ck.load_weights(path)
     model_cfg = meta["config"]["model"]

@@ -72,3 +72,26 @@ def test_export_refuses_bad_requests(trained_like_run, tmp_path):
     result = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert result.exit_code == 1 and "no checkpoint found" in result.stderr
     assert not (tmp_path / "x").exists()
+
+
+def test_export_warns_when_it_passes_over_a_damaged_checkpoint(trained_like_run, tmp_path):
+    run, model = trained_like_run
+    cfg = Config(model=ModelConfig(vocab_size=97, n_layer=3, n_embd=128, head_size=64))
+    save_checkpoint(run / "checkpoints", 7, model, None, {"config": config_to_dict(cfg)}, 3)
+    weights = run / "checkpoints" / "step_00000007" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # torn by a crash
+    out = tmp_path / "model.safetensors"
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "safetensors", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert "skipping damaged checkpoint step_00000007" in result.stderr and "step 5" in result.stdout
+
+
+def test_ctrl_c_outside_training_is_one_line_and_exit_130(trained_like_run, tmp_path, monkeypatch):
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr("rwkvx_cli.train.export.export_checkpoint", interrupted)
+    run, _ = trained_like_run
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(tmp_path / "m.pth")])
+    assert result.exit_code == 130 and result.stderr.strip() == "interrupted"
+    assert "Traceback" not in result.output
