@@ -13,7 +13,7 @@ try:
 except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
     triton = tl = None
 
-__all__ = ["compute_dtype", "tl", "triton", "unavailable"]
+__all__ = ["compute_dtype", "state_blocks", "tl", "triton", "unavailable"]
 
 
 def unavailable() -> str | None:
@@ -28,3 +28,12 @@ def compute_dtype(dtype: torch.dtype):
     """(torch, triton) dtypes of the state and accumulation: fp32, or fp64 throughout for
     fp64 inputs (the gradient checks)."""
     return (torch.float64, tl.float64) if dtype == torch.float64 else (torch.float32, tl.float32)
+
+
+def state_blocks(N: int) -> tuple[int, int, int]:
+    """How a fused kernel splits an N x N state: the full side padded to a power of two
+    (>= N), the rows (or columns) one program keeps in registers (<= 32), and the number
+    of such blocks."""
+    full = triton.next_power_of_2(N)
+    part = min(full, 32)
+    return full, part, triton.cdiv(N, part)

@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 CHUNK = 16
 
@@ -183,13 +183,6 @@ if triton is not None:
         tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
 
 
-def _blocks(N: int) -> tuple[int, int, int]:
-    """BK (key rows, a power of two >= N), BV (value columns per program), NVB (column blocks)."""
-    BK = triton.next_power_of_2(N)
-    BV = min(BK, 32)
-    return BK, BV, triton.cdiv(N, BV)
-
-
 class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale):
@@ -198,7 +191,7 @@ class _DeltaTriton(torch.autograd.Function):
         ins = [x.detach().contiguous() for x in (q, k, v, g, beta)]
         cdt, DT = compute_dtype(q.dtype)
         s0 = state.detach().to(cdt).contiguous()
-        BK, BV, NVB = _blocks(N)
+        BK, BV, NVB = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[0])
         s_out = torch.empty_like(s0)
@@ -214,7 +207,7 @@ class _DeltaTriton(torch.autograd.Function):
         *ins, snaps = ctx.saved_tensors
         B, T, H, N = ins[0].shape
         G = ins[3].shape[-1]
-        BK, BV, NVB = _blocks(N)
+        BK, BV, NVB = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         cdt, DT = compute_dtype(ins[0].dtype)
         f = dict(dtype=cdt, device=dy.device)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import compute_dtype, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 CHUNK = 16
 
@@ -164,13 +164,6 @@ if triton is not None:
         tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
 
 
-def _blocks(N: int) -> tuple[int, int, int]:
-    """BK (columns, a power of two >= N), BV (rows per program), NV (row blocks)."""
-    BK = triton.next_power_of_2(N)
-    BV = min(BK, 32)
-    return BK, BV, triton.cdiv(N, BV)
-
-
 class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
@@ -178,7 +171,7 @@ class _WKV7Triton(torch.autograd.Function):
         ins = [x.detach().contiguous() for x in (r, w, k, v, a, b)]
         cdt, DT = compute_dtype(r.dtype)
         s0 = state.detach().to(cdt).contiguous()
-        BK, BV, NV = _blocks(N)
+        BK, BV, NV = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[0])
         s_out = torch.empty_like(s0)
@@ -192,7 +185,7 @@ class _WKV7Triton(torch.autograd.Function):
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
         B, T, H, N = ins[0].shape
-        BK, BV, NV = _blocks(N)
+        BK, BV, NV = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         cdt, DT = compute_dtype(ins[0].dtype)
         f32 = dict(dtype=cdt, device=dy.device)
