@@ -1,3 +1,3 @@
-from rwkvx_cli.models.model import LM, block_kinds, build_model, init_weights, parameter_groups
+from rwkvx_cli.models.model import LM, Block, block_kinds, build_model, init_weights, layer_kinds, parameter_groups
 
-__all__ = ["LM", "block_kinds", "build_model", "init_weights", "parameter_groups"]
+__all__ = ["LM", "Block", "block_kinds", "build_model", "init_weights", "layer_kinds", "parameter_groups"]

@@ -7,9 +7,10 @@ import math
 import pytest
 import torch
 
-from rwkvx_cli.config import ConfigError, ModelConfig, load_config
+from rwkvx_cli.config import LAYER_KINDS, ConfigError, ModelConfig, load_config
 from rwkvx_cli.models import build_model
-from rwkvx_cli.models.model import MixBlock, layer_kinds
+from rwkvx_cli.models.layers import TIME_MIXES
+from rwkvx_cli.models.model import layer_kinds
 
 KINDS = ("rwkv4", "gdn", "kda", "rwkv8")
 
@@ -57,12 +58,20 @@ def test_layer_pattern_config():
         load_config(None, ["model.layers=rwkv7,gdn", "model.n_layer=7"])
 
 
+def test_every_layer_kind_has_a_time_mix_and_an_unknown_one_is_an_error():
+    assert set(TIME_MIXES) == set(LAYER_KINDS)
+    cfg = small(["rwkv7"])
+    cfg.layers = ["rwkv7", "gdm"]  # past config validation, which names the nearest kind
+    with pytest.raises(ValueError, match="unknown layer kind 'gdm'"):
+        build_model(cfg, 0)
+
+
 @pytest.mark.parametrize("kind", KINDS)
 def test_block_state_carries_across_segments_and_tokens(kind):
     torch.manual_seed(0)
     model = perturbed(small([kind, "rwkv7", kind]))
     assert model.kinds == [kind, "rwkv7", kind] and model.recurrent
-    assert isinstance(model.blocks[0], MixBlock) and hasattr(model.blocks[0], "ln0")
+    assert isinstance(model.blocks[0].att, TIME_MIXES[kind]) and hasattr(model.blocks[0], "ln0")
     assert not hasattr(model.blocks[1], "ln0")
     idx = torch.randint(0, 97, (2, 13), generator=torch.Generator().manual_seed(0))
     full, _ = model(idx)

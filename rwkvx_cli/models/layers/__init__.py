@@ -1,0 +1,48 @@
+"""One time mix per layer kind (`model.layers`), each in its own file with its init.
+
+Every time mix maps [B, T, C] -> [B, T, C] behind the same interface, so one
+`Block` holds any of them:
+
+- `from_config(cfg, layer_id)`: build it from the model config;
+- `forward(x, v_first, state) -> (y, v_first, state)`: `state` is a dict of
+  tensors, batch first (None for MoBA, which has none); `v_first` is RWKV-7's
+  first-layer value, passed through by the other kinds;
+- `empty_state(B, device)`: the zero state (None for MoBA);
+- `reset_parameters(gen, layer, n_layer)`: its seeded init, at depth `layer` of
+  `n_layer` (docs/model.md#initialisation);
+- `op_dims()`, for the recurrent ones: the op and its dims for one token (FLOP counts).
+"""
+
+from rwkvx_cli.models.layers.common import ChannelMix, GatedRMSNorm, ShortConv, State, orthogonal_, shifted
+from rwkvx_cli.models.layers.delta import DeltaMix, GatedDeltaNet, KimiDeltaAttention
+from rwkvx_cli.models.layers.moba import MobaAttention
+from rwkvx_cli.models.layers.rwkv4 import RWKV4TimeMix
+from rwkvx_cli.models.layers.rwkv7 import RWKV7TimeMix
+from rwkvx_cli.models.layers.rwkv8 import RWKV8Mix
+
+# The one place a layer kind (config.LAYER_KINDS) becomes its time mix.
+TIME_MIXES: dict[str, type] = {
+    "rwkv7": RWKV7TimeMix,
+    "moba": MobaAttention,
+    "rwkv4": RWKV4TimeMix,
+    "gdn": GatedDeltaNet,
+    "kda": KimiDeltaAttention,
+    "rwkv8": RWKV8Mix,
+}
+
+__all__ = [
+    "TIME_MIXES",
+    "ChannelMix",
+    "DeltaMix",
+    "GatedDeltaNet",
+    "GatedRMSNorm",
+    "KimiDeltaAttention",
+    "MobaAttention",
+    "RWKV4TimeMix",
+    "RWKV7TimeMix",
+    "RWKV8Mix",
+    "ShortConv",
+    "State",
+    "orthogonal_",
+    "shifted",
+]

@@ -1,0 +1,112 @@
+"""RWKV-7 "Goose" time mix as RWKV-LM's `RWKV-v7/train_temp` defines it, and its
+"better rwkv7 init" (docs/model.md#the-rwkv-7-time-mix).
+
+Parameter names and shapes match RWKV-LM's state dict, so weights move between
+the two without renaming.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.models.layers.common import State, depth_ratios, orthogonal_, shifted
+from rwkvx_cli.ops import wkv7
+
+
+def lora_rank(multiplier: float, C: int) -> int:
+    return max(32, int(round(multiplier * math.sqrt(C) / 32) * 32))
+
+
+class RWKV7TimeMix(nn.Module):
+    """State: att_shift [B, C] (the previous token's input) and wkv [B, H, N, N] fp32.
+    The first RWKV-7 layer (layer_id 0) sets `v_first`; later ones mix it into their values."""
+
+    def __init__(self, C: int, head_size: int, layer_id: int):
+        super().__init__()
+        self.layer_id, self.head_size, self.n_head = layer_id, head_size, C // head_size
+        H, N = self.n_head, head_size
+        for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a"):
+            setattr(self, name, nn.Parameter(torch.zeros(1, 1, C)))
+        for name, mult in (("w", 2.5), ("a", 2.5), ("v", 1.7), ("g", 5.0)):
+            D = lora_rank(mult, C)
+            setattr(self, f"{name}1", nn.Parameter(torch.zeros(C, D)))
+            setattr(self, f"{name}2", nn.Parameter(torch.zeros(D, C)))
+        self.r_k = nn.Parameter(torch.zeros(H, N))
+        self.receptance = nn.Linear(C, C, bias=False)
+        self.key = nn.Linear(C, C, bias=False)
+        self.value = nn.Linear(C, C, bias=False)
+        self.output = nn.Linear(C, C, bias=False)
+        self.ln_x = nn.GroupNorm(H, C, eps=64e-5)
+
+    @classmethod
+    def from_config(cls, cfg: ModelConfig, layer_id: int) -> RWKV7TimeMix:
+        return cls(cfg.n_embd, cfg.head_size, layer_id)
+
+    def op_dims(self) -> tuple[str, dict[str, int]]:
+        """The recurrence op and its dims for one token (FLOP counts)."""
+        return "wkv7", {"B": 1, "T": 1, "H": self.n_head, "N": self.head_size}
+
+    def empty_state(self, B: int, device) -> State:
+        C, H, N = self.x_r.shape[-1], self.n_head, self.head_size
+        return {"att_shift": torch.zeros(B, C, device=device), "wkv": torch.zeros(B, H, N, N, device=device)}
+
+    def forward(self, x, v_first, state: State | None = None):
+        B, T, C = x.shape
+        H, N = self.n_head, self.head_size
+        s = state or {}
+        xx = shifted(x, s.get("att_shift")) - x
+        xr, xw, xk, xv, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g))
+        r = self.receptance(xr)
+        # log of the effective decay: -exp(-0.5) * sigmoid(...), so w_eff lies in (0.545, 1)
+        w = -math.exp(-0.5) * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
+        k = self.key(xk)
+        v = self.value(xv)
+        if self.layer_id == 0:
+            v_first = v
+        else:
+            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
+        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
+        k = k * (1 + (a - 1) * self.k_a)
+
+        def heads(t):
+            return t.view(B, T, H, N)
+
+        y, wkv = wkv7(heads(r), heads(w), heads(k), heads(v), heads(-kk), heads(kk * a), state=s.get("wkv"))
+        y = self.ln_x(y.reshape(B * T, C)).view(B, T, C)
+        y = y + ((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True) * heads(v)).view(B, T, C)
+        return self.output(y * g), v_first, {"att_shift": x[:, -1], "wkv": wkv}
+
+    @torch.no_grad()
+    def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:
+        """RWKV-LM train_temp's "better rwkv7 init" (docs/model.md#initialisation)."""
+        C, N = self.x_r.shape[-1], self.head_size
+        r0, r1 = depth_ratios(layer, n_layer)
+        n = torch.arange(C, dtype=torch.float64)
+        ddd = (n / C).view(1, 1, C)
+        linear = n / (C - 1) - 0.5
+        z = ((n % N) - (N - 1) / 2) / ((N - 1) / 2)
+        zigzag = z * z.abs()
+        for name, power in (("x_r", 0.2), ("x_w", 0.9), ("x_k", 0.7), ("x_v", 0.7), ("x_a", 0.9), ("x_g", 0.2)):
+            getattr(self, name).copy_(1.0 - ddd.pow(power * r1))
+        www = -6 + 6 * (n / (C - 1)).pow(1 + r0**0.3)
+        self.w0.copy_((www + 0.5 + 2.5 * zigzag).view(1, 1, C))
+        self.a0.copy_((-0.19 + 0.3 * zigzag + 0.4 * linear).view(1, 1, C))
+        self.v0.copy_((0.73 - 0.4 * linear).view(1, 1, C))
+        self.k_k.copy_((0.71 - 0.1 * linear).view(1, 1, C))
+        self.k_a.fill_(1.02)
+        self.r_k.fill_(-0.04)
+        for name in ("w", "a", "v", "g"):
+            getattr(self, f"{name}1").zero_()
+            orthogonal_(getattr(self, f"{name}2"), 0.1, gen)
+        for p, gain in ((self.receptance, 1.0), (self.key, 0.1), (self.value, 1.0)):
+            orthogonal_(p.weight, gain, gen)
+        self.output.weight.zero_()
+        self.ln_x.weight.fill_(((1 + layer) / n_layer) ** 0.7)
+        self.ln_x.bias.zero_()
