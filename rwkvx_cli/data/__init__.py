@@ -1,9 +1,24 @@
-"""The data layer: tokenizers, token files (binidx, raw), corpus preparation and batch sampling."""
+"""The data layer: tokenizers, token files (binidx, raw), corpus reading and preparation, and batch sampling."""
 
-from rwkvx_cli.data.binidx import BinIdx, RawTokens, dtype_for_vocab, open_tokens, write_binidx
+from rwkvx_cli.data.binidx import (
+    BinIdx,
+    BinIdxWriter,
+    RawTokens,
+    dtype_for_vocab,
+    open_tokens,
+    write_binidx,
+)
+from rwkvx_cli.data.corpus import SUPPORTED, expand_inputs, iter_pieces
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import PrepareStats, prepare
-from rwkvx_cli.data.sampler import StreamSampler, WindowSampler, sequential_windows
+from rwkvx_cli.data.sampler import (
+    EpochSampler,
+    MixtureSampler,
+    StreamSampler,
+    WindowSampler,
+    permute,
+    sequential_windows,
+)
 from rwkvx_cli.data.tokenizer import (
     EOD_ID,
     EOD_TOKEN,
@@ -12,21 +27,30 @@ from rwkvx_cli.data.tokenizer import (
     load_tokenizer,
     train_tokenizer,
 )
+from rwkvx_cli.data.world import WorldTokenizer
 
 __all__ = [
     "EOD_ID",
     "EOD_TOKEN",
+    "SUPPORTED",
     "BPETokenizer",
     "BinIdx",
+    "BinIdxWriter",
     "ByteTokenizer",
     "DataError",
+    "EpochSampler",
+    "MixtureSampler",
     "PrepareStats",
     "RawTokens",
     "StreamSampler",
     "WindowSampler",
+    "WorldTokenizer",
     "dtype_for_vocab",
+    "expand_inputs",
+    "iter_pieces",
     "load_tokenizer",
     "open_tokens",
+    "permute",
     "prepare",
     "sequential_windows",
     "train_tokenizer",

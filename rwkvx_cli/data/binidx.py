@@ -12,6 +12,7 @@ Every reader here exposes `.tokens` (a 1-D array, memory-mapped), `len()` (the n
 
 from __future__ import annotations
 
+import array
 import os
 import struct
 from collections.abc import Iterable
@@ -37,6 +38,7 @@ DTYPE_CODES: dict[int, np.dtype] = {
 RAW_SUFFIXES: dict[str, np.dtype] = {".u16": np.dtype(np.uint16), ".i32": np.dtype(np.int32)}
 _HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, n sequences, doc-index entries
 _SCAN_CHUNK = 1 << 22  # tokens per step of check_vocab
+_WRITE_CHUNK = 1 << 24  # tokens per write of BinIdxWriter.add
 
 
 def dtype_for_vocab(vocab_size: int) -> np.dtype:
@@ -59,64 +61,110 @@ def _dtype_code(dtype: np.dtype) -> int:
     raise ValueError(f"dtype {dtype} has no binidx code (one of {', '.join(str(d) for d in DTYPE_CODES.values())})")
 
 
+class BinIdxWriter:
+    """Writes `prefix.bin` / `prefix.idx` incrementally: `add(tokens, sizes)` appends documents, `commit()` makes
+    the pair appear. Both files are written under temporary names, synced and then renamed, so a crash (or `abort()`,
+    or an exception inside `with`) never leaves a partial file under a final name. Memory holds only the sizes."""
+
+    def __init__(self, prefix: str | os.PathLike, dtype):
+        self.dtype = np.dtype(dtype)
+        self._code = _dtype_code(self.dtype)
+        self._le = self.dtype.newbyteorder("<")
+        self.bin_path, self.idx_path = binidx_paths(prefix)
+        self.bin_path.parent.mkdir(parents=True, exist_ok=True)
+        self._tmp_bin, self._tmp_idx = temp_path(self.bin_path), temp_path(self.idx_path)
+        self._sizes = array.array("q")
+        self._f = open(self._tmp_bin, "wb")
+
+    @property
+    def n_docs(self) -> int:
+        return len(self._sizes)
+
+    def add_document(self, doc: np.ndarray) -> None:
+        arr = np.asarray(doc)
+        if arr.ndim != 1:
+            raise ValueError(f"document {self.n_docs} has shape {arr.shape}; expected a 1-D token array")
+        self.add(arr, [arr.size])
+
+    def add(self, tokens: np.ndarray, sizes) -> None:
+        """Append documents given as their concatenated `tokens` and their `sizes` (summing to len(tokens))."""
+        sizes = np.asarray(sizes, dtype=np.int64)
+        if int(sizes.sum()) != len(tokens):
+            raise ValueError(f"document sizes sum to {int(sizes.sum())}, but {len(tokens)} tokens were given")
+        if sizes.size and int(sizes.max()) > np.iinfo(np.int32).max:
+            i = self.n_docs + int(np.argmax(sizes > np.iinfo(np.int32).max))
+            raise DataError(f"document {i} has {int(sizes.max())} tokens; binidx sizes are int32")
+        # Chunked: `tokens` may be a memory map larger than RAM.
+        for start in range(0, len(tokens), _WRITE_CHUNK):
+            part = np.asarray(tokens[start : start + _WRITE_CHUNK])
+            bad = _check_fits(part, self.dtype)
+            if bad is not None:
+                i = self.n_docs + int(np.searchsorted(np.cumsum(sizes), start + max(bad, 0), side="right"))
+                if bad < 0:
+                    raise DataError(f"document {i} holds {part.dtype} values, not integer token ids")
+                raise DataError(f"document {i} has token id {part[bad]}, which does not fit {self.dtype}")
+            self._f.write(part.astype(self._le, copy=False).tobytes())
+        self._sizes.extend(sizes.tolist())
+
+    def commit(self) -> np.ndarray:
+        """Sync, write the index and rename both into place; returns the document sizes (int64)."""
+        try:
+            fsync_file(self._f)
+            self._f.close()
+            sizes = np.frombuffer(self._sizes, dtype=np.int64)
+            n = len(sizes)
+            pointers = np.zeros(n, dtype=np.int64)
+            np.cumsum(sizes[:-1] * self.dtype.itemsize, out=pointers[1:])
+            with open(self._tmp_idx, "wb") as f:
+                f.write(_HEADER.pack(MAGIC, VERSION, self._code, n, n + 1))
+                f.write(sizes.astype("<i4").tobytes())
+                f.write(pointers.astype("<i8").tobytes())
+                f.write(np.arange(n + 1, dtype="<i8").tobytes())
+                fsync_file(f)
+            # .bin first: a crash between the renames leaves a pair that fails the reader's size check.
+            os.replace(self._tmp_bin, self.bin_path)
+            os.replace(self._tmp_idx, self.idx_path)
+        except BaseException:
+            self.abort()
+            raise
+        fsync_dir(self.bin_path.parent)
+        return sizes.copy()
+
+    def abort(self) -> None:
+        self._f.close()
+        self._tmp_bin.unlink(missing_ok=True)
+        self._tmp_idx.unlink(missing_ok=True)
+
+    def __enter__(self) -> BinIdxWriter:
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is not None:
+            self.abort()
+
+
 def write_binidx(prefix: str | os.PathLike, documents: Iterable[np.ndarray], dtype) -> np.ndarray:
     """Write `prefix.bin` and `prefix.idx`, one sequence per document; returns the document sizes (int64).
 
-    Both files are written under temporary names, synced and then renamed, so a crash never leaves a partial file
-    under a final name. Raises DataError if a token does not fit `dtype` or a document is longer than int32 allows.
+    Atomic as `BinIdxWriter`. Raises DataError if a token does not fit `dtype` or a document is longer than int32
+    allows.
     """
-    dtype = np.dtype(dtype)
-    code = _dtype_code(dtype)
-    le = dtype.newbyteorder("<")
-    bin_path, idx_path = binidx_paths(prefix)
-    bin_path.parent.mkdir(parents=True, exist_ok=True)
-    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
-    sizes: list[int] = []
-    try:
-        with open(tmp_bin, "wb") as f:
-            for i, doc in enumerate(documents):
-                arr = np.asarray(doc)
-                if arr.ndim != 1:
-                    raise ValueError(f"document {i} has shape {arr.shape}; expected a 1-D token array")
-                _check_fits(arr, dtype, i)
-                if arr.size > np.iinfo(np.int32).max:
-                    raise DataError(f"document {i} has {arr.size} tokens; binidx sizes are int32")
-                f.write(arr.astype(le, copy=False).tobytes())
-                sizes.append(arr.size)
-            fsync_file(f)
-        n = len(sizes)
-        sizes_arr = np.asarray(sizes, dtype=np.int64)
-        pointers = np.zeros(n, dtype=np.int64)
-        np.cumsum(sizes_arr[:-1] * dtype.itemsize, out=pointers[1:])
-        with open(tmp_idx, "wb") as f:
-            f.write(_HEADER.pack(MAGIC, VERSION, code, n, n + 1))
-            f.write(sizes_arr.astype("<i4").tobytes())
-            f.write(pointers.astype("<i8").tobytes())
-            f.write(np.arange(n + 1, dtype="<i8").tobytes())
-            fsync_file(f)
-        # .bin first: a crash between the renames leaves a pair that fails the reader's size check, not a silent mix.
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
-    except BaseException:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
-        raise
-    fsync_dir(bin_path.parent)
-    return sizes_arr
+    with BinIdxWriter(prefix, dtype) as w:
+        for doc in documents:
+            w.add_document(doc)
+        return w.commit()
 
 
-def _check_fits(arr: np.ndarray, dtype: np.dtype, i: int) -> None:
-    if arr.size == 0 or np.can_cast(arr.dtype, dtype, casting="safe"):
-        return
-    if dtype.kind == "f":
-        return
+def _check_fits(arr: np.ndarray, dtype: np.dtype) -> int | None:
+    """The position of the first value of `arr` that `dtype` cannot hold, -1 if `arr` is not integers, or None."""
+    if arr.size == 0 or np.can_cast(arr.dtype, dtype, casting="safe") or dtype.kind == "f":
+        return None
     if arr.dtype.kind not in "iub":
-        raise DataError(f"document {i} holds {arr.dtype} values, not integer token ids")
+        return -1
     info = np.iinfo(dtype)
-    lo, hi = int(arr.min()), int(arr.max())
-    if lo < info.min or hi > info.max:
-        bad = lo if lo < info.min else hi
-        raise DataError(f"document {i} has token id {bad}, which does not fit {dtype}")
+    if int(arr.min()) >= info.min and int(arr.max()) <= info.max:
+        return None
+    return int(np.flatnonzero((arr < info.min) | (arr > info.max))[0])
 
 
 def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:

@@ -5,7 +5,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rwkvx_cli.data import BinIdx, DataError, RawTokens, dtype_for_vocab, open_tokens, write_binidx
+from rwkvx_cli.data import BinIdx, BinIdxWriter, DataError, RawTokens, dtype_for_vocab, open_tokens, write_binidx
 from rwkvx_cli.data.binidx import MAGIC, binidx_paths
 
 
@@ -234,3 +234,50 @@ def test_fuzz_mutated_valid_pair(tmp_path, valid_pair, data):
     idx = idx[: data.draw(st.integers(0, len(idx)))]
     bin_ = bin_[: data.draw(st.integers(0, len(bin_)))]
     _load_or_data_error(tmp_path, bytes(idx), bytes(bin_))
+
+
+def _write_like_rwkv_lm_make_data(prefix, docs: list[list[int]]) -> None:
+    """The layout RWKV-LM's make_data.py writes (MMapIndexedDatasetBuilder: one item and end_document per document,
+    each ending in 0, uint16), written here with struct, independently of write_binidx."""
+    with open(f"{prefix}.bin", "wb") as f:
+        for d in docs:
+            f.write(np.asarray(d, dtype="<u2").tobytes())
+    sizes = [len(d) for d in docs]
+    pointers = np.concatenate([[0], np.cumsum(sizes)[:-1] * 2]).astype("<i8")
+    with open(f"{prefix}.idx", "wb") as f:
+        f.write(b"MMIDIDX\x00\x00" + struct.pack("<Q", 1) + struct.pack("<B", 8))
+        f.write(struct.pack("<Q", len(sizes)) + struct.pack("<Q", len(sizes) + 1))
+        f.write(np.asarray(sizes, dtype="<i4").tobytes() + pointers.tobytes())
+        f.write(np.arange(len(sizes) + 1, dtype="<i8").tobytes())
+
+
+def test_rwkv_lm_make_data_prefix_with_world_tokens(tmp_path):
+    from rwkvx_cli.data import WorldTokenizer
+
+    tok = WorldTokenizer()
+    texts = ["Hello world.", "東京 🚀\n第二行", "x" * 300]
+    _write_like_rwkv_lm_make_data(tmp_path / "minipile", [[*tok.encode(t), 0] for t in texts])
+    data = open_tokens(tmp_path / "minipile")  # a bare prefix
+    assert isinstance(data, BinIdx) and data.dtype == np.uint16 and data.n_docs == 3
+    data.check_vocab(65536)
+    with pytest.raises(DataError, match="outside the vocabulary \\(size 257\\)"):
+        data.check_vocab(257)
+    ends = np.cumsum(data.doc_sizes)
+    assert [tok.decode(data.tokens[e - n : e]) for n, e in zip(data.doc_sizes, ends, strict=True)] == texts
+
+
+def test_writer_streams_documents_and_aborts_cleanly(tmp_path):
+    with BinIdxWriter(tmp_path / "w", np.uint16) as w:
+        w.add(np.arange(10), [3, 0, 7])
+        w.add_document(np.array([5, 6], dtype=np.int64))
+        sizes = w.commit()
+    assert sizes.tolist() == [3, 0, 7, 2]
+    data = BinIdx(tmp_path / "w")
+    assert data.tokens.tolist() == [*range(10), 5, 6] and data.doc_sizes.tolist() == [3, 0, 7, 2]
+    with pytest.raises(DataError, match="document 2 has token id 70000, which does not fit uint16"):
+        with BinIdxWriter(tmp_path / "x", np.uint16) as w:
+            w.add(np.array([1, 2, 3, 4, 70000]), [2, 2, 1])
+    with pytest.raises(ValueError, match="sum to 3, but 4 tokens"):
+        with BinIdxWriter(tmp_path / "x", np.uint16) as w:
+            w.add(np.arange(4), [1, 2])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["w.bin", "w.idx"]  # nothing half-written is left

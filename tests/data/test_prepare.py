@@ -1,4 +1,6 @@
+import gzip
 import json
+import subprocess
 from pathlib import Path
 
 import numpy as np
@@ -114,3 +116,64 @@ def test_errors(tmp_path):
         prepare([tmp_path / "a.txt"], tmp_path / "out", val_fraction=1.5)
     with pytest.raises(UsageError, match="is not a file"):
         prepare([tmp_path / "a.txt"], tmp_path / "out", tokenizer_kind="sentencepiece")
+
+
+def test_compressed_directory_with_text_field_and_skip_bad(tmp_path):
+    zstandard = pytest.importorskip("zstandard")
+    texts = [f"document {i}: " + "words " * i for i in range(30)]
+    lines = [json.dumps({"content": t}) for t in texts]
+    lines.insert(7, '{"content": null}')
+    lines.insert(12, "{broken")
+    (tmp_path / "in").mkdir()
+    (tmp_path / "in" / "a.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress("\n".join(lines[:20]).encode()))
+    (tmp_path / "in" / "b.jsonl.gz").write_bytes(gzip.compress("\n".join(lines[20:]).encode()))
+    (tmp_path / "in" / "notes.md").write_text("not a corpus file")  # ignored inside a directory
+    with pytest.raises(DataError, match=r'a\.jsonl\.zst:8: expected a JSON object with a string "content" field'):
+        prepare([tmp_path / "in"], tmp_path / "out", "byte", text_field="content")
+    stats = prepare([tmp_path / "in"], tmp_path / "out", "byte", text_field="content", skip_bad=True, seed=1)
+    assert stats.documents == 30 and stats.skipped_records == 2
+    assert stats.first_skipped.endswith('a.jsonl.zst:8: expected a JSON object with a string "content" field')
+    assert stats.text_bytes == sum(len(t.encode()) for t in texts) and stats.bytes < stats.text_bytes  # compressed
+    tok = ByteTokenizer()
+    docs = _docs_of(BinIdx(tmp_path / "out" / "train")) + _docs_of(BinIdx(tmp_path / "out" / "val"))
+    assert sorted(tok.decode(d) for d in docs) == sorted(texts)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["text_field"] == "content" and meta["skipped_records"] == 2
+    assert [Path(s["path"]).name for s in meta["sources"]] == ["a.jsonl.zst", "b.jsonl.gz"]
+    assert [s["documents"] for s in meta["sources"]] == [18, 12]
+    with pytest.raises(DataError, match=r"notes\.md: unsupported input type; rwkvx reads \.txt"):
+        prepare([tmp_path / "in" / "notes.md"], tmp_path / "o2")
+
+
+def test_hf_tokenizer_file_with_its_own_eod_id(tmp_path):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=300, special_tokens=["<s>", "</s>"], initial_alphabet=alphabet)
+    raw.train_from_iterator([SHAKESPEARE.read_text(encoding="utf-8")[:20000]], trainer=trainer)
+    raw.save(str(tmp_path / "tok.json"))
+    _write_jsonl(tmp_path / "a.jsonl", ["To be, or not to be.", "That is the question."])
+    stats = prepare([tmp_path / "a.jsonl"], tmp_path / "out", tmp_path / "tok.json", val_fraction=0.0, eod_id=1)
+    assert stats.eod_id == 1
+    data = BinIdx(tmp_path / "out" / "train")
+    assert [int(d[-1]) for d in _docs_of(data)] == [1, 1] and np.count_nonzero(data.tokens == 1) == 2
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    assert meta["tokenizer"]["eod_id"] == 1
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json", eod_id=meta["tokenizer"]["eod_id"])
+    assert [tok.decode(d) for d in _docs_of(data)] == ["To be, or not to be.", "That is the question."]
+    with pytest.raises(UsageError, match="eod_id applies to a loaded tokenizer.json"):
+        prepare([tmp_path / "a.jsonl"], tmp_path / "o2", "byte", eod_id=1)
+
+
+def test_stale_token_stream_of_a_killed_prepare_is_removed(tmp_path):
+    out = tmp_path / "out"
+    out.mkdir()
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    (out / f".tokens.tmp{dead.pid}").write_bytes(b"\0" * 100)  # left by a prepare killed with -9
+    (tmp_path / "a.txt").write_text("some text\n")
+    prepare([tmp_path / "a.txt"], out, "byte", val_fraction=0.0)
+    assert not list(out.glob(".tokens.tmp*"))

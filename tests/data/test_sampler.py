@@ -2,7 +2,7 @@ import numpy as np
 import pytest
 import torch
 
-from rwkvx_cli.data import DataError, WindowSampler, sequential_windows
+from rwkvx_cli.data import DataError, EpochSampler, MixtureSampler, WindowSampler, permute, sequential_windows
 
 
 def test_batch_shapes_and_shift():
@@ -73,3 +73,95 @@ def test_sequential_windows_cover_once():
 def test_float_tokens_are_bad_data():
     with pytest.raises(DataError, match="token ids must be integers, got float32"):
         WindowSampler(np.zeros(100, dtype=np.float32), 8, 2)
+
+
+def test_permute_is_a_seeded_bijection():
+    for n in (1, 2, 3, 7, 64, 65, 1000, 4099):
+        for seed, epoch in ((0, 0), (5, 3)):
+            p = permute(np.arange(n), n, seed, epoch)
+            assert sorted(p.tolist()) == list(range(n))
+    a = permute(np.arange(1000), 1000, 0, 0)
+    assert not np.array_equal(a, permute(np.arange(1000), 1000, 0, 1))  # another epoch, another order
+    assert not np.array_equal(a, permute(np.arange(1000), 1000, 1, 0))  # another seed, another order
+    assert np.array_equal(a[[7, 3, 999]], permute(np.array([7, 3, 999]), 1000, 0, 0))  # pointwise: a pure function
+    assert abs(np.corrcoef(np.arange(1000), a)[0, 1]) < 0.1  # not close to the identity
+    with pytest.raises(ValueError, match="in \\[0, 10\\)"):
+        permute([10], 10, 0, 0)
+
+
+def _epoch_windows(sampler, world_size: int, steps: range) -> list[int]:
+    """Window starts gathered from every rank's rows, in global row order."""
+    rows = []
+    for step in steps:
+        per_rank = [sampler.batch(step, r, world_size)[0][:, 0] for r in range(world_size)]
+        rows += torch.stack(per_rank, dim=1).reshape(-1).tolist()  # row j of the global batch from rank j % N
+    return rows
+
+
+def test_epoch_sampler_visits_every_window_once_per_epoch():
+    ctx, batch = 8, 12
+    tokens = np.arange(8 * 60 + 1, dtype=np.int32)  # 60 windows, no slack: token value = its position
+    s = EpochSampler(tokens, ctx, batch, seed=3)
+    assert s.n_windows == 60 and s.slack == 0
+    steps_per_epoch = 60 // batch
+    for world_size in (1, 2, 3, 4):
+        starts = _epoch_windows(s, world_size, range(3 * steps_per_epoch))
+        assert starts == [int(v) for step in range(3 * steps_per_epoch) for v in s.starts(step)]
+        epochs = [starts[e * 60 : (e + 1) * 60] for e in range(3)]
+        for e in epochs:
+            assert sorted(e) == list(range(0, 480, 8))  # every full window exactly once
+        assert epochs[0] != epochs[1] != epochs[2]  # a new order each epoch
+    assert [s.epoch(k) for k in (0, 4, 5, 9, 10)] == [0, 0, 1, 1, 2]
+    x, y = s.batch(7)
+    assert torch.equal(y, x + 1)
+
+
+def test_epoch_sampler_straddles_epochs_and_is_a_pure_function():
+    tokens = np.random.default_rng(0).integers(0, 1000, size=10 * 37 + 6).astype(np.uint16)
+    s = EpochSampler(tokens, 10, 8, seed=1)  # 37 windows, 5 tokens of slack, 8 rows: steps straddle epochs
+    assert s.n_windows == 37 and s.slack == 5
+    g = s.sample_starts(np.arange(4 * 37))
+    for e in range(4):
+        part = g[e * 37 : (e + 1) * 37]
+        off = int(part.min()) % 10
+        assert 0 <= off <= 5 and sorted(part.tolist()) == [off + 10 * k for k in range(37)]
+    assert len({int(g[e * 37 : (e + 1) * 37].min()) for e in range(4)}) > 1  # the offset moves between epochs
+    fresh = EpochSampler(tokens, 10, 8, seed=1)
+    for step in (17, 3, 0, 9):  # any order, any instance
+        assert np.array_equal(fresh.starts(step), g[step * 8 : step * 8 + 8])
+    assert not np.array_equal(EpochSampler(tokens, 10, 8, seed=2).starts(0), s.starts(0))
+    no_shift = EpochSampler(tokens, 10, 8, seed=1, shift=False)
+    assert sorted(no_shift.sample_starts(np.arange(37 * 2, 37 * 3)).tolist()) == list(range(0, 370, 10))
+
+
+def test_mixture_sampler():
+    a = np.full(10 * 50 + 1, 1, dtype=np.uint16)  # source 0: 50 windows of ones
+    b = np.full(10 * 400 + 1, 2, dtype=np.uint16)  # source 1: 400 windows of twos
+    c = np.full(10 * 30 + 1, 3, dtype=np.uint16)  # source 2: weight 0, never drawn
+    m = MixtureSampler([a, b, c], [1, 3, 0], ctx_len=10, batch_size=16, seed=0, round_size=64)
+    assert m.slots.tolist() == [16, 48, 0] and m.weights.tolist() == [0.25, 0.75, 0.0]
+    x = torch.cat([m.batch(step)[0] for step in range(40)])  # 640 rows = 10 rounds
+    assert (x[:, 0] == 1).sum() == 160 and (x[:, 0] == 2).sum() == 480 and (x[:, 0] == 3).sum() == 0
+    # Source 0 is read one pass per its epoch: its 160 draws are its 50 windows 3.2 times, each at most 4 times.
+    source, count = m.sample_sources(np.arange(640))
+    assert sorted(count[source == 0].tolist()) == list(range(160))
+    starts = np.concatenate([m.starts(step)[1][m.starts(step)[0] == 0] for step in range(40)])
+    assert sorted(starts[:50].tolist()) != starts[:50].tolist()  # shuffled
+    counts = np.bincount(starts, minlength=501)[0:500:10]
+    assert counts.min() == 3 and counts.max() == 4
+    # A pure function of (seed, step); ranks interleave as in WindowSampler.
+    again = MixtureSampler([a, b, c], [1, 3, 0], ctx_len=10, batch_size=16, seed=0, round_size=64)
+    assert torch.equal(again.batch(33)[0], m.batch(33)[0])
+    x0, x1 = m.batch(5, 0, 2)[0], m.batch(5, 1, 2)[0]
+    assert torch.equal(torch.stack([x0, x1], dim=1).reshape(16, 10), m.batch(5)[0])
+    assert m.source_epochs(40) == [3.2, 1.2, 0.0] and m.epoch(40) == 1
+    with pytest.raises(DataError, match="at least one source"):
+        MixtureSampler([], [], 10, 4)
+    with pytest.raises(DataError, match="not all 0"):
+        MixtureSampler([a, b], [0, 0], 10, 4)
+    with pytest.raises(DataError, match=">= 0"):
+        MixtureSampler([a, b], [1, -1], 10, 4)
+    with pytest.raises(DataError, match="fewer than one window"):
+        MixtureSampler([a, np.arange(5)], [1, 1], 10, 4)
+    tiny = MixtureSampler([a, b], [1e-9, 1], 10, 4, round_size=100)
+    assert tiny.slots.tolist() == [1, 99]  # a positive weight is never rounded away

@@ -1,8 +1,14 @@
 import json
+import random
+import re
+import string
+import time
+from pathlib import Path
 
 import pytest
 
-from rwkvx_cli.data import BPETokenizer, ByteTokenizer, DataError, load_tokenizer, train_tokenizer
+from rwkvx_cli.data import BinIdx, BPETokenizer, ByteTokenizer, DataError, load_tokenizer, prepare, train_tokenizer
+from rwkvx_cli.data.tokenizer import MAX_RUN, bound_runs
 from rwkvx_cli.errors import UsageError
 
 TEXT = (
@@ -67,7 +73,8 @@ def test_loaded_tokenizer_needs_eod_at_zero(tmp_path):
     trainer = trainers.BpeTrainer(vocab_size=280, special_tokens=["<pad>"], show_progress=False)
     raw.train_from_iterator([TEXT], trainer=trainer)
     raw.save(str(tmp_path / "t.json"))
-    with pytest.raises(DataError, match="it has no such token"):
+    # Any special token may end documents (see test_hf_tokenizer_with_another_eod), but not a padding one.
+    with pytest.raises(DataError, match="id 0 is the special token '<pad>', which is not an end-of-document token"):
         load_tokenizer(tmp_path / "t.json")
 
 
@@ -90,3 +97,86 @@ def test_train_tokenizer_options(tmp_path):
         train_tokenizer("bpe", [], vocab_size=100)
     with pytest.raises(UsageError, match="unknown tokenizer kind 'wordpiece'"):
         train_tokenizer("wordpiece", [])
+    with pytest.raises(UsageError, match="fixed vocab_size of 65536"):
+        train_tokenizer("world", [], vocab_size=50000)
+
+
+def _neox_like(tmp_path, specials=("<|endoftext|>", "<|padding|>")) -> Path:
+    """A byte-level BPE tokenizer.json laid out like GPT-NeoX 20B's: `<|endoftext|>` is special token 0."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    raw = Tokenizer(models.BPE())
+    raw.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    raw.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=list(specials),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    raw.train_from_iterator([TEXT], trainer=trainer)
+    path = tmp_path / "neox.json"
+    raw.save(str(path))
+    return path
+
+
+def test_hf_tokenizer_with_another_eod(tmp_path):
+    path = _neox_like(tmp_path)
+    tok = load_tokenizer(path)  # eod_id defaults to 0
+    assert isinstance(tok, BPETokenizer) and tok.eod_id == 0 and tok.eod_token == "<|endoftext|>"
+    ids = tok.encode("fox <|endoftext|> dog")
+    assert 0 not in ids and tok.decode(ids) == "fox <|endoftext|> dog"  # literal special text stays text
+    assert tok.decode([0, *ids, 0]) == "fox <|endoftext|> dog"
+    with pytest.raises(DataError, match=r"id 1 is the special token '<\|padding\|>', which is not an end-of-doc"):
+        load_tokenizer(path, eod_id=1)
+    with pytest.raises(DataError, match=r"id 5 is .*an ordinary token, not a special end-of-document token"):
+        load_tokenizer(path, eod_id=5)
+    with pytest.raises(DataError, match="no token has the end-of-document id 100000"):
+        load_tokenizer(path, eod_id=100000)
+    with pytest.raises(UsageError, match="eod_id must be a token id"):
+        load_tokenizer(path, eod_id=-1)
+    path2 = _neox_like(tmp_path, specials=("<s>", "</s>"))
+    assert load_tokenizer(path2, eod_id=1).eod_token == "</s>"
+    with pytest.raises(DataError, match="id 0 is the special token '<s>', which is not an end-of-document token"):
+        load_tokenizer(path2)  # a beginning-of-sequence token
+
+
+def test_tokenizers_by_name(tmp_path):
+    from rwkvx_cli.data import WorldTokenizer
+
+    assert isinstance(load_tokenizer("byte"), ByteTokenizer)
+    assert isinstance(load_tokenizer("world"), WorldTokenizer)
+    assert isinstance(load_tokenizer("world", eod_id=0), WorldTokenizer)
+    with pytest.raises(UsageError, match="the world tokenizer's end-of-document id is 0, not 3"):
+        load_tokenizer("world", eod_id=3)
+    with pytest.raises(DataError, match="tokenizer file not found"):
+        load_tokenizer("sentencepiece")
+
+
+def test_bound_runs():
+    assert bound_runs("hello world\n" * 100) == ["hello world\n" * 100]
+    text = "ab " + "x" * 2500 + " \n" + " " * 3000 + "y"
+    parts = bound_runs(text)
+    assert "".join(parts) == text
+    # No run of only whitespace or only non-whitespace longer than MAX_RUN survives inside a part.
+    for part in parts:
+        assert all(len(run) <= MAX_RUN for run in re.findall(r"\S+|\s+", part))
+    assert bound_runs("abcdefgh", 3) == ["abc", "def", "gh"]
+
+
+def test_bpe_on_a_long_line_without_whitespace_is_fast(tmp_path):
+    """issue 11 item 6: 256 KiB of 'a' took 183 s to prepare (quadratic BPE training over one pre-token)."""
+    (tmp_path / "a.txt").write_text("a" * (256 << 10))
+    t0 = time.perf_counter()
+    stats = prepare([tmp_path / "a.txt"], tmp_path / "out", "bpe", vocab_size=300, val_fraction=0.0)
+    assert time.perf_counter() - t0 < 5
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    assert tok.decode(BinIdx(tmp_path / "out" / "train").tokens) == "a" * (256 << 10)
+    assert stats.train_tokens < 256 << 10  # merges were learned
+    # Encoding random letters (no merge covers them) and a long run of spaces stays linear too.
+    rng = random.Random(0)
+    letters = "".join(rng.choice(string.ascii_lowercase) for _ in range(256 << 10))
+    t0 = time.perf_counter()
+    ids = tok.encode_arrays([letters, " " * (256 << 10)])
+    assert time.perf_counter() - t0 < 5
+    assert tok.decode(ids[0]) == letters and tok.decode(ids[1]) == " " * (256 << 10)

@@ -1,0 +1,226 @@
+"""The RWKV World tokenizer: vocab `rwkv_vocab_v20230424` (65536 ids), greedy longest match over a byte trie.
+
+Encoding is byte-identical to the reference `TRIE_TOKENIZER` of the `rwkv` package (tests/data/test_world.py checks
+it on mixed text). Two engines give the same ids:
+
+- `rust`: the `pyrwkv-tokenizer` package (Rust, multithreaded `encode_batch`), used when it is installed;
+- `python`: a dict trie here. It cuts the text at boundaries that no vocab token crosses (see `_SEGMENT`) and caches
+  the ids of each repeated segment (mostly words with their leading space), which makes it several times faster
+  than walking the trie over every byte.
+
+The vocab file ships with rwkvx (`rwkv_vocab_v20230424.txt`, copied unchanged from the Apache-2.0 `rwkv` package
+by BlinkDL, with LF line ends), so nothing is downloaded. Id 0 is the end of a document and has no bytes; ids
+65530..65535 are unassigned (the model's embedding is padded to 65536) and decode to nothing.
+
+Decoding differs from `TRIE_TOKENIZER.decode` only where that one gives up: on bytes that are not valid UTF-8 it
+returns the single string "\\ufffd" for the whole input (and raises KeyError for ids 0 and 65530..65535), while
+here each invalid sequence becomes "\\ufffd" (Python's errors="replace") and the rest of the text is kept, the
+contract every rwkvx tokenizer follows. For valid UTF-8 both return the same string.
+"""
+
+from __future__ import annotations
+
+import ast
+import codecs
+import functools
+import json
+import os
+import re
+from collections.abc import Iterable, Sequence
+from pathlib import Path
+
+import numpy as np
+
+from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import atomic_write_text
+
+VOCAB_NAME = "rwkv_vocab_v20230424"
+VOCAB_FILE = Path(__file__).with_name(VOCAB_NAME + ".txt")
+VOCAB_SIZE = 65536
+EOD_ID = 0
+ENGINES = ("rust", "python")
+
+# A boundary between a non-whitespace character and an ASCII whitespace character is crossed by no vocab token,
+# except `…\n`, `。\n` and `，\n` (tests/data/test_world.py checks this against the vocab). Greedy longest match
+# therefore restarts at every other such boundary, and text cut there encodes piece by piece exactly as a whole.
+_WS = " \t\n\r\x0b\x0c"
+_GLUE = "…。，"
+_SEGMENT = re.compile(f"[{_WS}]*(?:[^{_WS}{_GLUE}]|[{_GLUE}](?!\n)|[{_GLUE}]\n[{_WS}]*)*")
+_CACHE_SEGMENT_CHARS = 64  # longer segments are rare; caching them only costs memory
+_CACHE_ENTRIES = 1 << 20
+
+
+@functools.lru_cache(maxsize=2)
+def read_vocab(path: str | os.PathLike = VOCAB_FILE) -> list[bytes]:
+    """The token bytes by id (index 0, the end of a document, is b"") from a `rwkv_vocab_*.txt` file.
+
+    Each line is `id <Python str or bytes literal> <byte length>`. Plain literals are decoded directly and the few
+    with escapes by `ast.literal_eval` (never `eval`: the file is data). Cached: treat the list as read-only.
+    """
+    table: list[bytes] = [b""]
+    try:
+        f = open(path, encoding="utf-8")
+    except OSError as e:
+        raise DataError(f"cannot read the World vocab {path}: {e.strerror}") from None
+    with f:
+        for lineno, line in enumerate(f, 1):
+            line = line.rstrip("\r\n")
+            try:
+                i, j = line.index(" "), line.rindex(" ")
+                idx, lit, size = int(line[:i]), line[i + 1 : j], int(line[j + 1 :])
+                if lit.startswith("b"):
+                    tok = codecs.escape_decode(lit[2:-1].encode("ascii"))[0]
+                elif "\\" not in lit:
+                    tok = lit[1:-1].encode("utf-8")
+                else:
+                    tok = ast.literal_eval(lit).encode("utf-8")
+            except (ValueError, SyntaxError, UnicodeError):
+                raise DataError(f"{path}:{lineno}: not a World vocab line") from None
+            if idx != len(table) or len(tok) != size:
+                raise DataError(f"{path}:{lineno}: expected id {len(table)} of {size} bytes")
+            table.append(tok)
+    return table
+
+
+class _PythonEngine:
+    """Greedy longest match over a dict trie, with a cache of segment -> ids."""
+
+    def __init__(self, table: list[bytes]):
+        # A node is {byte: [id or 0, child node]}; id 0 never names a vocab token.
+        root: dict = {}
+        for tid, tok in enumerate(table):
+            node = root
+            for k, b in enumerate(tok):
+                entry = node.get(b)
+                if entry is None:
+                    entry = node[b] = [0, {}]
+                if k == len(tok) - 1:
+                    entry[0] = tid
+                node = entry[1]
+        self._root = root
+        self._cache: dict[str, list[int]] = {}
+
+    def _walk(self, src: bytes) -> list[int]:
+        root, out, i, n = self._root, [], 0, len(src)
+        while i < n:
+            node, j, best, end = root, i, 0, i + 1
+            while j < n:
+                entry = node.get(src[j])
+                if entry is None:
+                    break
+                j += 1
+                if entry[0]:
+                    best, end = entry[0], j
+                node = entry[1]
+            out.append(best)  # every single byte is a token, so best is set
+            i = end
+        return out
+
+    def encode(self, text: str) -> list[int]:
+        cache, out = self._cache, []
+        if len(cache) > _CACHE_ENTRIES:
+            cache.clear()
+        for seg in _SEGMENT.findall(text):
+            ids = cache.get(seg)
+            if ids is None:
+                ids = self._walk(seg.encode("utf-8"))
+                if len(seg) <= _CACHE_SEGMENT_CHARS:
+                    cache[seg] = ids
+            out += ids
+        return out
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        return [self.encode(t) for t in texts]
+
+
+class _RustEngine:
+    def __init__(self, vocab_path: Path):
+        import pyrwkv_tokenizer
+
+        self._tok = pyrwkv_tokenizer.WorldTokenizer(str(vocab_path))
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        # One call tokenizes the texts on all cores (Rust threads).
+        return self._tok.encode_batch(list(texts))
+
+
+def rust_available() -> bool:
+    try:
+        import pyrwkv_tokenizer  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+class WorldTokenizer:
+    """The RWKV World tokenizer (id 0 = end of document). `engine`: "rust", "python" or None (rust if installed)."""
+
+    kind = "world"
+    vocab_size = VOCAB_SIZE
+    eod_id = EOD_ID
+    vocab_name = VOCAB_NAME
+
+    def __init__(self, engine: str | None = None):
+        if engine is None:
+            engine = "rust" if rust_available() else "python"
+        if engine not in ENGINES:
+            raise UsageError(f"unknown World tokenizer engine {engine!r} (rust or python)")
+        if engine == "rust" and not rust_available():
+            raise UsageError("the rust World tokenizer needs pyrwkv-tokenizer: pip install pyrwkv-tokenizer")
+        self.engine = engine
+        self._table: list[bytes] | None = None
+        self._impl: _RustEngine | _PythonEngine | None = None  # built on first encode: decoding needs only the table
+
+    @property
+    def table(self) -> list[bytes]:
+        """Token bytes by id, all 65536 (unassigned ids decode to nothing)."""
+        if self._table is None:
+            table = read_vocab(VOCAB_FILE)
+            self._table = table + [b""] * (VOCAB_SIZE - len(table))
+        return self._table
+
+    @property
+    def _engine(self) -> _RustEngine | _PythonEngine:
+        if self._impl is None:
+            self._impl = _RustEngine(VOCAB_FILE) if self.engine == "rust" else _PythonEngine(self.table)
+        return self._impl
+
+    def encode(self, text: str) -> list[int]:
+        return self._engine.encode(text)
+
+    def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
+        return [np.asarray(ids, dtype=np.int64) for ids in self._engine.encode_batch(texts)]
+
+    def decode_bytes(self, ids: Iterable[int]) -> bytes:
+        arr = ids if isinstance(ids, np.ndarray) else np.asarray(list(ids), dtype=np.int64)
+        if arr.size and (int(arr.min()) < 0 or int(arr.max()) >= VOCAB_SIZE):
+            bad = int(arr[(arr < 0) | (arr >= VOCAB_SIZE)][0])
+            raise DataError(f"token id {bad} is outside the World vocabulary (0..{VOCAB_SIZE - 1})")
+        table = self.table
+        return b"".join([table[i] for i in arr.tolist()])
+
+    def decode(self, ids: Iterable[int]) -> str:
+        return self.decode_bytes(ids).decode("utf-8", errors="replace")
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"type": "world", "vocab": VOCAB_NAME, "vocab_size": VOCAB_SIZE, "eod_token": "", "eod_id": EOD_ID}
+        )
+
+    def save(self, path: str | os.PathLike) -> None:
+        atomic_write_text(path, self.to_json() + "\n")
+
+    @classmethod
+    def from_json(cls, obj: dict, where: str) -> WorldTokenizer:
+        if obj.get("type") != "world":
+            raise DataError(f"{where} is not a World tokenizer file")
+        if obj.get("vocab", VOCAB_NAME) != VOCAB_NAME:
+            raise DataError(f"{where}: World vocab {obj.get('vocab')!r} is not supported (only {VOCAB_NAME})")
+        return cls()
+
+    def __repr__(self) -> str:
+        return f"WorldTokenizer({VOCAB_NAME}, engine={self.engine!r})"
