@@ -13,10 +13,9 @@ import typer
 from rwkvx_cli import __version__
 from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.render import (
-    TrainView,
+    TrainConsole,
     data_progress,
     err,
-    fmt_count,
     out,
     prepared_line,
     print_summary,
@@ -69,7 +68,7 @@ def _root(
 @app.command()
 @reports_errors
 def gradcheck(
-    op: Annotated[str, typer.Option("--op", help="Operator to check (see the op registry).")],
+    op: Annotated[str, typer.Option("--op", help="Operator to check (see the op registry), or all.")],
     backend: Annotated[
         list[str] | None,
         typer.Option("--backend", help="Backend to check; repeatable. Default: every production backend."),
@@ -78,38 +77,66 @@ def gradcheck(
     size: Annotated[int, typer.Option(min=1, help="Multiply the sequence length of gate A's cases.")] = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
 ) -> None:
-    """Check an op's backends against the fp64 oracle (gate A) and finite differences (gate B)."""
-    import torch
-
+    """Check an op's backends against the fp64 oracle (gate A) and finite differences (gate B).
+    `--op all` checks every registered op in turn: one report each, then an overall verdict."""
     from rwkvx_cli.gradcheck import run_gradcheck
-    from rwkvx_cli.ops import get_op, resolve_backend
+    from rwkvx_cli.ops import get_op, op_names
 
     try:
-        spec = get_op(op)
+        specs = [get_op(name) for name in (op_names() if op == "all" else [op])]
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    try:
-        backends = [resolve_backend(spec, name, torch.device("cpu")) for name in backend] if backend else []
-    except ValueError as e:
-        raise UsageError(str(e)) from None
-    for bk in [] if backend else spec.production_backends():
+    chosen = [(spec, _gradcheck_backends(spec, backend)) for spec in specs]  # every usage error first
+    results = []
+    for spec, backends in chosen:
+        start = time.perf_counter()
+        with err.status("gradcheck") as status:
+            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
+        seconds = time.perf_counter() - start
+        render_gradcheck(report)
+        out.print(
+            f"{_verdict(report.passed)} {report.op}: {len(report.results)} cases, "
+            f"{', '.join(b.name for b in backends)} in {seconds:.1f}s"
+        )
+        results.append({**report.to_dict(), "seconds": seconds})
+    passed = all(r["passed"] for r in results)
+    if op == "all":
+        seconds = sum(r["seconds"] for r in results)
+        failed = [r["op"] for r in results if not r["passed"]]
+        out.print(
+            f"{_verdict(passed)} all: {len(results) - len(failed)} of {len(results)} ops passed in {seconds:.1f}s"
+            + (f" (failed: {', '.join(failed)})" if failed else "")
+        )
+        _write_json(json_path, {"ops": results, "passed": passed, "seconds": seconds})
+    else:
+        _write_json(json_path, results[0])
+    if not passed:
+        raise typer.Exit(1)
+
+
+def _gradcheck_backends(spec, names: list[str] | None) -> list:
+    """The named backends of `spec`, or its production backends that run here (warning about the others)."""
+    import torch
+
+    from rwkvx_cli.ops import resolve_backend
+
+    if names:
+        try:
+            return [resolve_backend(spec, name, torch.device("cpu")) for name in names]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    backends = []
+    for bk in spec.production_backends():
         reason = bk.unavailable() if "cpu" in bk.devices else "does not run on cpu"
         if reason is None:
             backends.append(bk)
         else:
             err.print(f"[yellow]warning:[/] skipping the {bk.name!r} backend: {reason}", soft_wrap=True)
-    start = time.perf_counter()
-    with err.status("gradcheck") as status:
-        report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
-    seconds = time.perf_counter() - start
-    render_gradcheck(report)
-    verdict = "[bold green]PASS[/]" if report.passed else "[bold red]FAIL[/]"
-    out.print(
-        f"{verdict} {report.op}: {len(report.results)} cases, {', '.join(b.name for b in backends)} in {seconds:.1f}s"
-    )
-    _write_json(json_path, {**report.to_dict(), "seconds": seconds})
-    if not report.passed:
-        raise typer.Exit(1)
+    return backends
+
+
+def _verdict(passed: bool) -> str:
+    return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run configuration.")]
@@ -129,44 +156,17 @@ def init(
 ) -> None:
     """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer)."""
     from rwkvx_cli.config import load_config
-    from rwkvx_cli.train import checkpoint as ck
-    from rwkvx_cli.train.run import model_summary
+    from rwkvx_cli.train.runner import init_run
 
     cfg = load_config(config, overrides or [])
     if out_dir is not None:
         cfg.run_dir = str(out_dir)
-    run_dir = Path(cfg.run_dir)
-    if ck.list_checkpoints(run_dir / "checkpoints"):
-        raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
-    data, model = _open_run(cfg, run_dir)
-    if cfg.train.init_from:
-        ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
-    ck.save_checkpoint(run_dir / "checkpoints", 0, model, None, {"config": _cfg_dict(cfg)}, cfg.train.keep_last)
-    print_summary(model_summary(model), run_dir)
-
-
-def _open_run(cfg, run_dir: Path):
-    """Prepare the data if needed (with a progress bar), build the model, write the run files."""
-    from rwkvx_cli.train.run import ensure_data, new_model, write_run_files
-
-    progress, update = data_progress()
-    with progress:
-        data = ensure_data(cfg, run_dir, update)
-    if data.prepared is not None:
-        out.print(prepared_line(data.prepared))
-    model = new_model(cfg)
-    write_run_files(cfg, run_dir, data)
-    return data, model
+    summary = init_run(cfg, data_progress=data_progress, on_prepared=lambda stats: out.print(prepared_line(stats)))
+    print_summary(summary, Path(cfg.run_dir))
 
 
 def _warn_skipped(path: Path, reason: str) -> None:
     err.print(f"[yellow]warning:[/] skipping damaged checkpoint {path.name}: {reason}", soft_wrap=True)
-
-
-def _cfg_dict(cfg):
-    from rwkvx_cli.config import config_to_dict
-
-    return config_to_dict(cfg)
 
 
 @app.command()
@@ -180,6 +180,7 @@ def train(
     Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
     from rwkvx_cli.config import load_config
     from rwkvx_cli.train import distributed
+    from rwkvx_cli.train.runner import run_training
 
     cfg = load_config(config, overrides or [])
     info = distributed.from_env()
@@ -187,97 +188,19 @@ def train(
     if not info.is_main:
         out.quiet = True  # rank 0 reports; errors (stderr) still come from every rank
     try:
-        _train(cfg, resume, info, device)
+        with TrainConsole(cfg, info) as console:
+            result = run_training(
+                cfg,
+                resume,
+                info,
+                device,
+                on_event=console.on_event,
+                on_skip=_warn_skipped,
+                data_progress=data_progress,
+            )
+        console.finish(result)
     finally:
         distributed.shutdown()
-
-
-def _train(cfg, resume: bool, info, device) -> None:
-    import contextlib
-    import signal
-
-    from rich.live import Live
-
-    from rwkvx_cli.train import checkpoint as ck
-    from rwkvx_cli.train import distributed
-    from rwkvx_cli.train.loop import Trainer
-    from rwkvx_cli.train.plot import plot_losses
-    from rwkvx_cli.train.run import ensure_data, model_summary, new_model
-
-    run_dir = Path(cfg.run_dir)
-    if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(run_dir / "checkpoints")):
-        raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
-    if info.is_main:
-        data, torch_model = _open_run(cfg, run_dir)
-    distributed.barrier()  # rank 0 has prepared the data and written the run files
-    if not info.is_main:
-        data, torch_model = ensure_data(cfg, run_dir), new_model(cfg)
-    trainer = Trainer(
-        cfg, run_dir, torch_model, data.train.tokens, data.val.tokens, data.tokenizer, dist=info, device=device
-    )
-    step = 0
-    if resume:
-        step = trainer.resume(_warn_skipped)
-        if info.is_main:
-            err.print(f"resumed from step {step}" if step else "no checkpoint to resume from: starting at step 0")
-    elif info.is_main:
-        (run_dir / "metrics.jsonl").unlink(missing_ok=True)
-    if step == 0 and cfg.train.init_from:
-        trainer.load_initial(cfg.train.init_from)
-    summary = model_summary(torch_model)
-    ranks = f" x {info.world_size} ranks ({cfg.train.distributed})" if info.launched else ""
-    out.print(
-        f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {trainer.device}{ranks}: "
-        f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {run_dir}"
-    )
-    stop = {"requested": False}
-
-    def on_signal(signum, frame):
-        stop["requested"] = True  # finish the step, checkpoint, exit 0
-
-    old_handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
-    view = TrainView(cfg.total_steps)
-    live = Live(view.render(), console=out, refresh_per_second=4, transient=False) if info.is_main else None
-    try:
-        with live or contextlib.nullcontext():
-
-            def on_event(kind, m):
-                if kind == "skipped":
-                    err.print(
-                        f"[yellow]warning:[/] step {m.step}: non-finite loss or gradient (loss {m.loss}, "
-                        f"gradient norm {m.grad_norm}); step skipped ({m.skipped_steps} so far)"
-                    )
-                    return
-                view.update(kind, m)
-                if live is not None:
-                    live.update(view.render())
-
-            last = trainer.run(on_event, should_stop=lambda: stop["requested"])
-    finally:
-        for sig, handler in old_handlers.items():
-            signal.signal(sig, handler)
-    if not out.is_terminal:
-        out.print()  # the final live frame ends without a newline when piped
-    if last is None:
-        out.print("nothing to do: the run is already complete")
-        return
-    if stop["requested"] or trainer.step < cfg.total_steps:
-        out.print(f"interrupted: checkpoint saved at step {trainer.step}; continue with --resume")
-        return
-    if info.is_main:
-        plot_losses(run_dir / "metrics.jsonl", run_dir / "loss.png")
-    ev = trainer.validate()
-    skipped = f", {trainer.skipped_steps} non-finite steps skipped" if trainer.skipped_steps else ""
-    out.print(
-        f"[bold]done[/]: step {trainer.step}, val loss {ev['loss']:.4f}, val bits/byte {ev['bpb']:.4f}, "
-        f"{last.tokens_per_s:,.0f} tokens/s{skipped}"
-    )
-    from rwkvx_cli.models.generate import generate
-
-    # Every rank samples the same text (a sharded model needs them all); rank 0 prints it.
-    sample = data.tokenizer.decode(generate(trainer.model, data.tokenizer.encode("\n"), 200, 1.0, 0.85, cfg.train.seed))
-    out.print("[dim]sample:[/]")
-    out.print(sample, markup=False)
 
 
 @app.command("eval")
@@ -298,6 +221,7 @@ def eval_cmd(
     from rwkvx_cli.models import LM
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
+    from rwkvx_cli.train.run import data_dir_for
 
     path = ck.resolve_checkpoint(checkpoint, _warn_skipped)
     meta = ck.read_meta(path)
@@ -306,8 +230,7 @@ def eval_cmd(
     ck.load_into(model, ck.load_weights(path), str(path))
     device = pick_device(cfg.train.device)
     model.to(device)
-    run_dir = path.parent.parent
-    ddir = data_dir or (Path(cfg.data.prepared_dir) if cfg.data.prepared_dir else run_dir / "data")
+    ddir = data_dir or data_dir_for(cfg, path.parent.parent)  # <run>/checkpoints/step_*: the run's rule
     tokenizer = load_tokenizer(ddir / "tokenizer.json")
     val = open_tokens(ddir / "val.bin")
     val.check_vocab(cfg.model.vocab_size)
@@ -440,8 +363,7 @@ def data_prepare(
     """Tokenize text/JSONL into RWKV-LM binidx (.bin + .idx) with a validation split."""
     from rwkvx_cli.data import prepare
 
-    progress, update = data_progress()
-    with progress:
+    with data_progress() as update:
         stats = prepare(
             list(inputs),
             out_dir,

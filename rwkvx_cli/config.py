@@ -9,6 +9,7 @@ import difflib
 import math
 import types
 import typing
+from collections.abc import Collection
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -112,7 +113,10 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
 
-    def validate(self) -> None:
+    def validate(self, written: Collection[str] = ()) -> None:
+        """Check every value and derive model.n_layer / model.n_attn from model.layers. `written`:
+        the dotted keys the YAML and overrides set (a count written beside model.layers must agree
+        with it even when it equals the default; a config built in code is judged by its values)."""
         m, t, d = self.model, self.train, self.data
         if m.layers:
             m.layers = expand_layers(m.layers)
@@ -120,7 +124,8 @@ class Config:
             defaults = ModelConfig()
             for name, derived in (("n_layer", n_rest), ("n_attn", n_attn)):
                 given = getattr(m, name)
-                if given not in (derived, getattr(defaults, name)):
+                explicit = f"model.{name}" in written or given != getattr(defaults, name)
+                if explicit and given != derived:
                     raise ConfigError(
                         f"model.{name}: {given} disagrees with model.layers ({derived}); set one of the two"
                     )
@@ -254,9 +259,14 @@ def config_to_dict(cfg: Config) -> dict:
     return plain(dataclasses.asdict(cfg))
 
 
+def _written_keys(data: dict) -> set[str]:
+    """The `section.key` names a raw config mapping sets."""
+    return {f"{section}.{key}" for section, body in data.items() if isinstance(body, dict) for key in body}
+
+
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data)
-    cfg.validate()
+    cfg.validate(_written_keys(data))
     return cfg
 
 
@@ -283,5 +293,5 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
     for override in overrides:
         _set_dotted(data, override)
     cfg = _build(Config, data)
-    cfg.validate()
+    cfg.validate(_written_keys(data))
     return cfg

@@ -5,6 +5,7 @@ Kept apart from cli.py so that the commands read as parse -> call -> render.
 
 from __future__ import annotations
 
+import contextlib
 from pathlib import Path
 
 from rich.console import Console
@@ -70,7 +71,9 @@ def render_gradcheck(report) -> None:
     )
 
 
+@contextlib.contextmanager
 def data_progress():
+    """A progress bar (stderr, erased when done) around data preparation; yields its callback (done, total)."""
     from rich.progress import BarColumn, DownloadColumn, Progress, TransferSpeedColumn
 
     progress = Progress(
@@ -82,7 +85,8 @@ def data_progress():
         transient=True,
     )
     task = progress.add_task("tokenizing", total=None)
-    return progress, lambda done, total: progress.update(task, completed=done, total=total)
+    with progress:
+        yield lambda done, total: progress.update(task, completed=done, total=total)
 
 
 def fmt_count(n: float) -> str:
@@ -140,9 +144,83 @@ class TrainView:
         return table
 
 
+class TrainConsole:
+    """Renders `rwkvx train`: the events of train/runner.py's run_training while it runs (a live
+    view of the steps on rank 0), then its result. A context manager: the live view ends on exit."""
+
+    def __init__(self, cfg, dist):
+        self.cfg, self.dist = cfg, dist
+        self.view = TrainView(cfg.total_steps)
+        self.live = None
+
+    def __enter__(self) -> TrainConsole:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.live is not None:
+            self.live.stop()
+            self.live = None
+
+    def on_event(self, kind: str, payload) -> None:
+        if kind == "prepared":
+            out.print(prepared_line(payload))
+        elif kind == "resumed":
+            line = f"resumed from step {payload}" if payload else "no checkpoint to resume from: starting at step 0"
+            if self.dist.is_main:
+                err.print(line)
+        elif kind == "start":
+            self._start(payload)
+        elif kind == "skipped":
+            m = payload
+            err.print(
+                f"[yellow]warning:[/] step {m.step}: non-finite loss or gradient (loss {m.loss}, "
+                f"gradient norm {m.grad_norm}); step skipped ({m.skipped_steps} so far)"
+            )
+        else:  # "step", "checkpoint"
+            self.view.update(kind, payload)
+            if self.live is not None:
+                self.live.update(self.view.render())
+
+    def _start(self, start) -> None:
+        cfg, dist, summary = self.cfg, self.dist, start.summary
+        ranks = f" x {dist.world_size} ranks ({cfg.train.distributed})" if dist.launched else ""
+        out.print(
+            f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {start.device}{ranks}: "
+            f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {Path(cfg.run_dir)}"
+        )
+        if dist.is_main:
+            from rich.live import Live
+
+            self.live = Live(self.view.render(), console=out, refresh_per_second=4, transient=False)
+            self.live.start(refresh=True)
+
+    def finish(self, result) -> None:
+        """The outcome lines, after the live view has ended."""
+        if not out.is_terminal:
+            out.print()  # the final live frame ends without a newline when piped
+        if result.last is None:
+            out.print("nothing to do: the run is already complete")
+            return
+        if result.stopped:
+            out.print(f"interrupted: checkpoint saved at step {result.step}; continue with --resume")
+            return
+        ev = result.val
+        skipped = f", {result.skipped_steps} non-finite steps skipped" if result.skipped_steps else ""
+        out.print(
+            f"[bold]done[/]: step {result.step}, val loss {ev['loss']:.4f}, val bits/byte {ev['bpb']:.4f}, "
+            f"{result.last.tokens_per_s:,.0f} tokens/s{skipped}"
+        )
+        out.print("[dim]sample:[/]")
+        out.print(result.sample, markup=False)
+
+
 def render_bench(report, baseline: str) -> None:
+    isa = ""  # which build of the fused CPU kernels ran: their speed depends on it
+    if report.device == "cpu":
+        isa = f" · {report.cpu_isa} kernels" if report.cpu_isa else " · no cpu kernels"
     table = Table(
-        title=f"bench · {report.device} · {report.threads} threads · matmul peak {report.matmul_gflops:,.0f} GFLOP/s",
+        title=f"bench · {report.device}{isa} · {report.threads} threads · "
+        f"matmul peak {report.matmul_gflops:,.0f} GFLOP/s",
         title_justify="left",
     )
     for head in ("op", "backend", "shape", "dtype", "mode"):

@@ -1,5 +1,6 @@
 """The command line through Typer's runner: exit codes, output, JSON."""
 
+import dataclasses
 import json
 
 import pytest
@@ -124,3 +125,24 @@ def test_failing_backend_exits_1(toy_registered):
     result = invoke("gradcheck", "--op", "toyscan")
     assert result.exit_code == 1
     assert "FAIL toyscan" in result.stdout and "Traceback" not in result.output
+
+
+def test_gradcheck_all_checks_every_registered_op(monkeypatch, tmp_path):
+    def wrong(x, w, state):
+        y, s = _scan_cumsum(x, w, state)
+        return y * 1.01, s
+
+    good, bad = _toy_spec(_scan_cumsum), dataclasses.replace(_toy_spec(wrong), name="toybad")
+    monkeypatch.setattr(registry, "_OPS", {"toyscan": good})
+    result = invoke("gradcheck", "--op", "all")
+    assert result.exit_code == 0, result.output
+    assert "PASS toyscan" in result.stdout and "PASS all: 1 of 1 ops passed" in result.stdout
+
+    monkeypatch.setitem(registry._OPS, "toybad", bad)
+    path = tmp_path / "all.json"
+    result = invoke("gradcheck", "--op", "all", "--json", str(path))
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    assert "FAIL toybad" in result.stdout and "PASS toyscan" in result.stdout  # one report per op
+    assert "FAIL all: 1 of 2 ops passed" in result.stdout and "failed: toybad" in result.stdout
+    data = json.loads(path.read_text())
+    assert data["passed"] is False and [r["op"] for r in data["ops"]] == ["toybad", "toyscan"]

@@ -51,6 +51,25 @@ def test_bad_values_name_the_field(override, message):
     assert e.value.exit_code == 2
 
 
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.layers=rwkv7,gdn", "model.n_layer=4"], "model.n_layer: 4 disagrees with model.layers (2)"),
+        (["model.layers=rwkv7,moba,gdn", "model.n_attn=0"], "model.n_attn: 0 disagrees with model.layers (1)"),
+    ],
+)
+def test_a_written_count_that_conflicts_with_layers_is_refused_even_at_its_default(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert message in str(e.value)
+
+
+def test_layer_counts_that_agree_with_layers_round_trip():
+    cfg = load_config(None, ["model.layers=rwkv7,moba,gdn", "model.n_layer=2", "model.n_attn=1"])
+    assert (cfg.model.n_layer, cfg.model.n_attn) == (2, 1)
+    assert config_from_dict(config_to_dict(cfg)) == cfg  # a checkpoint's config writes both
+
+
 def test_bad_files(tmp_path):
     with pytest.raises(ConfigError, match="cannot read config"):
         load_config(tmp_path / "missing.yaml")

@@ -147,8 +147,9 @@ def local_rows(global_t: torch.Tensor, info: DistInfo) -> torch.Tensor:
     return global_t[info.rank :: info.world_size]
 
 
-def grad_norm(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
-    """Clip to `max_norm`; the total norm before clipping, the same on every rank."""
+def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
+    """Clip the gradients in place to a total norm of at most `max_norm`; returns the total norm
+    before clipping, the same on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 

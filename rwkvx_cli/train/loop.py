@@ -1,7 +1,7 @@
 """The training loop: AdamW with RWKV-LM's groups, warmup + cosine by tokens,
-gradient accumulation and clipping, periodic validation and checkpoints, and an
-exact resume (batches are a pure function of (seed, step); optimizer state and
-RNG are restored bit for bit). Data-parallel under torchrun (train/distributed.py):
+gradient accumulation and clipping, periodic validation, checkpoints (when, and an
+exact resume: train/checkpointer.py) and the metrics log (train/metrics.py). Batches
+are a pure function of (seed, step). Data-parallel under torchrun (train/distributed.py):
 the global batch of a step is the same for any number of ranks, each rank taking its
 rows in micro-batches of at most `train.micro_batch`, so the loss does not depend on N.
 
@@ -10,42 +10,24 @@ Library code: it reports through the `on_event` callback and never prints.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from rwkvx_cli.config import Config, ConfigError, config_to_dict
+from rwkvx_cli.config import Config, ConfigError
 from rwkvx_cli.data.sampler import StreamSampler, WindowSampler, sequential_windows
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.fsio import atomic_write_text, fsync_file
 from rwkvx_cli.models import LM, parameter_groups
-from rwkvx_cli.train import checkpoint as ck
 from rwkvx_cli.train import distributed
-from rwkvx_cli.train.checkpoint import CheckpointError
+from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
+from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
+from rwkvx_cli.train.run import checkpoints_dir, metrics_path
 from rwkvx_cli.train.schedule import lr_at
-
-
-@dataclass
-class StepMetrics:
-    step: int
-    tokens: int
-    loss: float
-    lr: float
-    grad_norm: float
-    tokens_per_s: float
-    elapsed_s: float
-    peak_mem_mb: float
-    val_loss: float | None = None
-    val_bpb: float | None = None
-    skipped: bool = False  # this step's loss or gradient was not finite and it was not applied
-    skipped_steps: int = 0  # such steps so far in the run
 
 
 class NonFiniteError(RwkvxError):
@@ -63,11 +45,6 @@ def micro_slices(global_rows: int, world_size: int, micro_batch: int) -> list[sl
     rows = global_rows // world_size
     size = min(micro_batch, rows)
     return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
-
-
-def _json_line(m: StepMetrics) -> str:
-    row = {k: (None if isinstance(v, float) and not math.isfinite(v) else v) for k, v in asdict(m).items()}
-    return json.dumps(row) + "\n"
 
 
 def pick_device(name: str) -> torch.device:
@@ -117,8 +94,7 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, devic
         flush()
     model.train()
     loss = total / max(count, 1)
-    arr = tokens.tokens if hasattr(tokens, "tokens") else tokens
-    n_bytes = len(tokenizer.decode(np.asarray(arr[1 : count + 1]).tolist()).encode("utf-8"))
+    n_bytes = len(tokenizer.decode(np.asarray(tokens[1 : count + 1]).tolist()).encode("utf-8"))
     return {
         "loss": loss,
         "ppl": math.exp(min(loss, 50.0)),
@@ -166,137 +142,41 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.nonfinite_in_row = 0
-        self.ckpt_root = self.run_dir / "checkpoints"
-        self.metrics_path = self.run_dir / "metrics.jsonl"
+        self.metrics = MetricsLog(metrics_path(self.run_dir), enabled=dist.is_main)
+        self.checkpoints = CheckpointManager(
+            checkpoints_dir(self.run_dir),
+            cfg,
+            self.model,
+            self.optimizer,
+            self.micro,
+            dist,
+            self.device,
+            before_save=self.metrics.sync,
+        )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
 
-    # -- checkpoints -------------------------------------------------------------------------------
+    # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
-        """Write a checkpoint (rank 0; under FSDP every rank takes part in gathering it)."""
-        weights, optim_state = distributed.full_state(self.model, self.optimizer)
-        carry = self._carry_tensors()
-        if not self.dist.is_main:
-            return None
-        meta = {
-            "config": config_to_dict(self.cfg),
-            "torch_rng": torch.get_rng_state().tolist(),
-            "world_size": self.dist.world_size,
-            "skipped_steps": self.skipped_steps,
-            "nonfinite_in_row": self.nonfinite_in_row,
-        }
-        return ck.save_checkpoint(
-            self.ckpt_root, self.step, weights, optim_state, meta, self.cfg.train.keep_last, carry
+        """Checkpoint now (rank 0 writes; under FSDP every rank takes part in gathering it)."""
+        return self.checkpoints.save(
+            self.step, self.carry, skipped_steps=self.skipped_steps, nonfinite_in_row=self.nonfinite_in_row
         )
 
-    def _carry_tensors(self) -> dict[str, torch.Tensor]:
-        """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run
-        resumes with any number of ranks."""
-        if any(c is None for c in self.carry):
-            return {}
-        out = {}
-        for i, template in enumerate(self.carry[0]):
-            for name in template or {}:
-                local = torch.cat([c[i][name] for c in self.carry])
-                out[f"carry.{i}.{name}"] = distributed.gather_rows(local, self.dist.world_size)
-        return out
-
-    def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> None:
-        by_key: dict[tuple[int, str], torch.Tensor] = {}
-        old: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
-        try:
-            for key, val in tensors.items():
-                parts = key.split(".")
-                if len(parts) == 4 and parts[2].isdigit():  # the first format: carry.<micro>.<block>.<field>
-                    old.setdefault((int(parts[2]), parts[3]), {})[int(parts[1])] = val
-                else:
-                    by_key[int(parts[1]), ".".join(parts[2:])] = val
-        except (ValueError, IndexError):
-            raise CheckpointError(f"{source}: unexpected tensor names in extra.safetensors") from None
-        for key, parts in old.items():
-            by_key[key] = torch.cat([parts[m] for m in sorted(parts)])
-        if not by_key or not self.cfg.train.tbptt:
-            return  # a run resumed without truncated BPTT starts each window from a zero state
-        templates = self.model.empty_state(self.global_rows, "meta")
-        wanted = {(i, name): t for i, tmpl in enumerate(templates) for name, t in (tmpl or {}).items()}
-        for key, val in by_key.items():
-            want = wanted.get(key)
-            if want is None or val.shape != want.shape or not val.is_floating_point():
-                raise CheckpointError(
-                    f"{source}: the TBPTT carry {key[1]!r} of block {key[0]} does not fit this run "
-                    f"({self.global_rows} sequences per step, {len(templates)} blocks)"
-                )
-        if set(by_key) != set(wanted):
-            raise CheckpointError(f"{source}: the TBPTT carry is incomplete")
-        for c, rows in enumerate(self.micro):
-            self.carry[c] = [
-                None
-                if tmpl is None
-                else {name: distributed.local_rows(by_key[i, name], self.dist)[rows].to(self.device) for name in tmpl}
-                for i, tmpl in enumerate(templates)
-            ]
-
     def resume(self, on_skip=None) -> int:
-        """Load the newest good checkpoint; returns its step (0 if none). A damaged newer one is
-        reported to `on_skip(path, reason)`, set aside (renamed corrupt-step_...), and skipped."""
-        found = None
-        if self.dist.is_main:
-            found = ck.latest_good(self.ckpt_root, on_skip, quarantine=True)
-        name = distributed.broadcast(found[0].name if found else None)
-        if name is None:
-            if self.dist.is_main:
-                self._truncate_metrics(0)  # steps logged before a crash that left no checkpoint
-            return 0
-        path = self.ckpt_root / name
-        meta = found[1] if found else ck.verify(path)
-        weights = ck.load_weights(path)
-        own = self.model_shapes()
-        problems = ck.mismatch(own, weights)
-        if problems:
-            raise CheckpointError(f"{path} does not match the model: {problems}")
-        ck.check_finite(weights, str(path))
-        optim_state = ck.load_optimizer_state(path, meta)
-        if optim_state is not None:
-            shapes = [own[n].shape for n in distributed.param_names(self.model, self.optimizer)]
-            ck.check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
-        try:
-            rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
-            skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
-            distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
-            torch.set_rng_state(rng)
-        except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
-            raise CheckpointError(f"{path} cannot be loaded: {e}") from None
-        self._restore_carry(ck.load_extra(path), str(path))
-        self.step, self.skipped_steps, self.nonfinite_in_row = meta["step"], skipped, in_row
-        if self.dist.is_main:
-            self._truncate_metrics(self.step)
+        """Continue from the newest good checkpoint; returns its step (0 if none). A damaged newer
+        one is reported to `on_skip(path, reason)`, set aside, and skipped."""
+        restored = self.checkpoints.load_latest(on_skip)
+        if restored is not None:
+            self.step, self.skipped_steps = restored.step, restored.skipped_steps
+            self.nonfinite_in_row = restored.nonfinite_in_row
+            if restored.carry is not None:
+                self.carry = restored.carry
+        self.metrics.truncate(self.step)  # also the steps logged before a crash that left no checkpoint
         return self.step
 
-    def model_shapes(self) -> dict[str, torch.Tensor]:
-        """The model's state by name, with full shapes (a sharded DTensor reports its global shape)."""
-        return self.model.state_dict()
-
     def load_initial(self, source: str) -> None:
-        """Start from weights elsewhere (train.init_from); reports what differs from this model."""
-        weights = ck.load_weights_file(source)
-        problems = ck.mismatch(self.model_shapes(), weights)
-        if problems:
-            raise CheckpointError(f"{source} does not match the model: {problems}")
-        ck.check_finite(weights, source)
-        distributed.load_full_state(self.model, None, weights, None)
-
-    def _truncate_metrics(self, step: int) -> None:
-        """Drop metric lines logged after the checkpoint we resume from, and a line torn by a crash."""
-        if not self.metrics_path.exists():
-            return
-        keep = []
-        for line in self.metrics_path.read_text().splitlines():
-            try:
-                row = json.loads(line)
-            except ValueError:
-                continue  # a line cut short by a crash: its step is after the checkpoint
-            if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
-                keep.append(line + "\n")
-        atomic_write_text(self.metrics_path, "".join(keep))
+        """Start from weights elsewhere (train.init_from)."""
+        self.checkpoints.load_initial(source)
 
     # -- the loop ---------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float, bool]:
@@ -325,7 +205,7 @@ class Trainer:
                 (loss * weight).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size
-        norm = distributed.grad_norm(self.model, t.grad_clip)
+        norm = distributed.clip_grad_norm_(self.model, t.grad_clip)
         loss_value, norm_value = torch.stack([total, norm.to(total.dtype)]).tolist()  # one host sync
         applied = math.isfinite(loss_value) and math.isfinite(norm_value)
         if applied:
@@ -355,15 +235,17 @@ class Trainer:
             )
         self.carry = [None] * len(self.micro)  # a carried state from this step may hold NaNs
 
-    def run(self, on_event: Callable[[str, StepMetrics], None] | None = None, should_stop=lambda: False) -> StepMetrics:
+    def run(
+        self, on_event: Callable[[str, StepMetrics], None] | None = None, should_stop=lambda: False
+    ) -> StepMetrics | None:
         """Train to the end (or until `should_stop()` is true on any rank: then checkpoint and return).
-        Events: "step", "skipped" (a non-finite step that was not applied), "checkpoint"."""
+        Events: "step", "skipped" (a non-finite step that was not applied), "checkpoint".
+        Returns the last step's metrics; None when the run was already complete."""
         cfg, t = self.cfg, self.cfg.train
         total_steps = cfg.total_steps
         start, start_step = time.perf_counter(), self.step
         last = None
-        log = open(self.metrics_path, "a") if self.dist.is_main else None
-        try:
+        with self.metrics:
             while self.step < total_steps:
                 loss, lr, norm, applied = self.train_step()
                 elapsed = time.perf_counter() - start
@@ -383,23 +265,21 @@ class Trainer:
                 if self.step % t.eval_interval == 0 or self.step == total_steps:
                     ev = self.validate()
                     last.val_loss, last.val_bpb = ev["loss"], ev["bpb"]
-                if log is not None:
-                    log.write(_json_line(last))
-                    log.flush()
+                self.metrics.append(last)
                 if on_event:
                     on_event("step" if applied else "skipped", last)
                 stopping = distributed.any_rank(should_stop(), self.device)
-                if self.step % t.ckpt_interval == 0 or self.step == total_steps or stopping:
-                    if log is not None:
-                        fsync_file(log)  # the metrics up to a checkpoint survive a power loss with it
-                    self.save()
-                    if on_event:
-                        on_event("checkpoint", last)
+                saved = self.checkpoints.maybe_save(
+                    self.step,
+                    self.carry,
+                    skipped_steps=self.skipped_steps,
+                    nonfinite_in_row=self.nonfinite_in_row,
+                    force=stopping,
+                )
+                if saved and on_event:
+                    on_event("checkpoint", last)
                 if stopping:
                     break
-        finally:
-            if log is not None:
-                log.close()
         return last
 
     def validate(self) -> dict:

@@ -1,12 +1,14 @@
-"""Run directories: resolve data, build or restore the model, summarise it.
+"""Run directories: their layout, resolving the data, building the model, summarising it.
 
 <run>/config.yaml (resolved), <run>/tokenizer.json, <run>/data/ (prepared
 tokens unless data.prepared_dir says otherwise), <run>/checkpoints/,
-<run>/metrics.jsonl.
+<run>/metrics.jsonl, <run>/loss.png. The paths are built here only.
 """
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +22,18 @@ from rwkvx_cli.models import LM, build_model
 from rwkvx_cli.ops import get_op
 
 
+def checkpoints_dir(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "checkpoints"
+
+
+def metrics_path(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "metrics.jsonl"
+
+
+def loss_plot_path(run_dir: Path | str) -> Path:
+    return Path(run_dir) / "loss.png"
+
+
 @dataclass
 class RunData:
     train: object
@@ -30,6 +44,8 @@ class RunData:
 
 
 def data_dir_for(cfg: Config, run_dir: Path) -> Path:
+    """Where a run's prepared tokens are: the corpus itself when it is a prepared directory,
+    else data.prepared_dir, else <run>/data. Training and `rwkvx eval` both use this rule."""
     corpus = [Path(p) for p in cfg.data.corpus]
     if len(corpus) == 1 and corpus[0].is_dir():
         return corpus[0]  # already prepared
@@ -68,6 +84,24 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
                 f"train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
             )
     return RunData(train, val, tokenizer, data_dir, stats)
+
+
+def open_run(
+    cfg: Config,
+    run_dir: Path,
+    data_progress: Callable[[], contextlib.AbstractContextManager] | None = None,
+    on_prepared: Callable[[PrepareStats], None] | None = None,
+) -> tuple[RunData, LM]:
+    """Prepare the data if needed, build the model, and write the run files. `data_progress()`
+    is entered around the preparation and yields its progress callback (done, total);
+    `on_prepared(stats)` hears when this call tokenized the corpus."""
+    with data_progress() if data_progress else contextlib.nullcontext() as progress:
+        data = ensure_data(cfg, run_dir, progress)
+    if data.prepared is not None and on_prepared:
+        on_prepared(data.prepared)
+    model = new_model(cfg)
+    write_run_files(cfg, run_dir, data)
+    return data, model
 
 
 def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
@@ -110,8 +144,7 @@ def model_summary(model: LM) -> dict:
         op, dims = blk.att.op_dims()
         fwd += get_op(op).flops(dims, "fwd")
         bwd += get_op(op).flops(dims, "fwdbwd")
-        state = blk.empty_state(1, "cpu")
-        state_floats += sum(t.numel() for t in (state.values() if isinstance(state, dict) else vars(state).values()))
+        state_floats += sum(t.numel() for t in blk.empty_state(1, "cpu").values())
     return {
         "parameters": sum(groups.values()),
         "by_component": groups,

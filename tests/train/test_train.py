@@ -53,6 +53,18 @@ def test_eval_and_generate(tmp_path, corpus):
     assert data["step"] == 2 and data["bpb"] > 0 and data["tokens"] > 0 and data["sample"].startswith("line")
 
 
+def test_eval_finds_the_data_of_a_run_trained_on_a_prepared_directory(tmp_path, corpus):
+    data = tmp_path / "prepared"
+    result = runner.invoke(app, ["data", "prepare", str(corpus), "--out", str(data)])
+    assert result.exit_code == 0, result.output
+    run = tmp_path / "run"
+    train(*tiny_args(run, data, "train.tokens=256"))  # the corpus is already a prepared directory
+    assert not (run / "data").exists()
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["step"] == 2
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
@@ -217,3 +229,17 @@ def test_architecture_mismatch_on_resume_names_what_differs(tmp_path, corpus):
     assert result.exit_code == 1, result.output
     assert "shape mismatch blocks.0.att.a0 (1, 1, 64) vs (1, 1, 32)" in result.stderr
     assert "Traceback" not in result.output
+
+
+def test_graceful_stop_records_the_signal_and_restores_the_handlers():
+    import signal
+
+    from rwkvx_cli.train.signals import GracefulStop
+
+    before = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    for sig in before:
+        with GracefulStop() as stop:
+            assert not stop.requested
+            signal.raise_signal(sig)
+            assert stop.requested
+        assert {s: signal.getsignal(s) for s in before} == before

@@ -1,0 +1,179 @@
+"""What a training run checkpoints, and when; resuming from the newest good checkpoint.
+
+A checkpoint holds the full (unsharded) weights and optimizer state, the torch RNG,
+the non-finite step counters and, with truncated BPTT, the recurrent state each
+micro-batch carries into the next step. With those the run resumes bit for bit:
+batches are a pure function of (seed, step). The files themselves (safetensors,
+meta.json with checksums, atomic renames, keep-last) are train/checkpoint.py's.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rwkvx_cli.config import Config, config_to_dict
+from rwkvx_cli.train import checkpoint as ck
+from rwkvx_cli.train import distributed
+from rwkvx_cli.train.checkpoint import CheckpointError
+from rwkvx_cli.train.distributed import DistInfo
+
+# The TBPTT carry: per micro-batch, per block, the block's state (a dict of tensors), or None
+# for a micro-batch that starts from a zero state (and for MoBA blocks, which keep none).
+Carry = list[list[dict[str, torch.Tensor] | None] | None]
+
+
+@dataclass
+class Restored:
+    """What a resumed run continues from (the weights and optimizer are loaded in place)."""
+
+    step: int
+    skipped_steps: int
+    nonfinite_in_row: int
+    carry: Carry | None  # None: every micro-batch starts from a zero state
+
+
+class CheckpointManager:
+    """Saves every `train.ckpt_interval` steps and at the last step (or when forced, on a stop
+    request), keeping the newest `train.keep_last`; under FSDP every rank takes part in gathering
+    the state and rank 0 writes it. `before_save()` runs first: the trainer fsyncs its metrics
+    there, so that a checkpoint on disk never lacks the metric lines up to it."""
+
+    def __init__(
+        self,
+        root: Path,
+        cfg: Config,
+        model: torch.nn.Module,
+        optimizer: torch.optim.Optimizer,
+        micro: list[slice],
+        dist: DistInfo,
+        device: torch.device,
+        before_save: Callable[[], None] | None = None,
+    ):
+        self.root, self.cfg, self.model, self.optimizer = Path(root), cfg, model, optimizer
+        self.micro, self.dist, self.device, self.before_save = micro, dist, device, before_save
+        self.interval, self.keep_last, self.total_steps = cfg.train.ckpt_interval, cfg.train.keep_last, cfg.total_steps
+        self.global_rows = cfg.train.micro_batch * cfg.train.grad_accum
+
+    # -- saving ------------------------------------------------------------------------------------
+    def maybe_save(
+        self, step: int, carry: Carry, *, skipped_steps: int, nonfinite_in_row: int, force: bool = False
+    ) -> bool:
+        """Save if `step` is due (or `force`); True when it saved."""
+        if not (force or step % self.interval == 0 or step == self.total_steps):
+            return False
+        self.save(step, carry, skipped_steps=skipped_steps, nonfinite_in_row=nonfinite_in_row)
+        return True
+
+    def save(self, step: int, carry: Carry, *, skipped_steps: int, nonfinite_in_row: int) -> Path | None:
+        """Write the checkpoint of `step`; its path on rank 0, None on the others."""
+        if self.before_save is not None:
+            self.before_save()
+        weights, optim_state = distributed.full_state(self.model, self.optimizer)
+        carry_tensors = self._carry_tensors(carry)
+        if not self.dist.is_main:
+            return None
+        meta = {
+            "config": config_to_dict(self.cfg),
+            "torch_rng": torch.get_rng_state().tolist(),
+            "world_size": self.dist.world_size,
+            "skipped_steps": skipped_steps,
+            "nonfinite_in_row": nonfinite_in_row,
+        }
+        return ck.save_checkpoint(self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors)
+
+    def _carry_tensors(self, carry: Carry) -> dict[str, torch.Tensor]:
+        """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run
+        resumes with any number of ranks."""
+        if any(c is None for c in carry):
+            return {}
+        out = {}
+        for i, template in enumerate(carry[0]):
+            for name in template or {}:
+                local = torch.cat([c[i][name] for c in carry])
+                out[f"carry.{i}.{name}"] = distributed.gather_rows(local, self.dist.world_size)
+        return out
+
+    # -- loading -----------------------------------------------------------------------------------
+    def load_latest(self, on_skip: Callable[[Path, str], None] | None = None) -> Restored | None:
+        """Load the newest good checkpoint into the model and optimizer (None if there is none).
+        A damaged newer one is reported to `on_skip(path, reason)`, set aside (renamed
+        corrupt-step_...), and skipped."""
+        found = None
+        if self.dist.is_main:
+            found = ck.latest_good(self.root, on_skip, quarantine=True)
+        name = distributed.broadcast(found[0].name if found else None)
+        if name is None:
+            return None
+        path = self.root / name
+        meta = found[1] if found else ck.verify(path)
+        weights = ck.load_weights(path)
+        own = self.model.state_dict()  # full shapes: a sharded DTensor reports its global shape
+        problems = ck.mismatch(own, weights)
+        if problems:
+            raise CheckpointError(f"{path} does not match the model: {problems}")
+        ck.check_finite(weights, str(path))
+        optim_state = ck.load_optimizer_state(path, meta)
+        if optim_state is not None:
+            shapes = [own[n].shape for n in distributed.param_names(self.model, self.optimizer)]
+            ck.check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
+        try:
+            rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
+            skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
+            distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
+            torch.set_rng_state(rng)
+        except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
+            raise CheckpointError(f"{path} cannot be loaded: {e}") from None
+        carry = self._restore_carry(ck.load_extra(path), str(path))
+        return Restored(meta["step"], skipped, in_row, carry)
+
+    def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
+        """This rank's per-micro-batch carry from the global-batch tensors (None when the checkpoint
+        has none, or this run does not use truncated BPTT)."""
+        by_key: dict[tuple[int, str], torch.Tensor] = {}
+        old: dict[tuple[int, str], dict[int, torch.Tensor]] = {}
+        try:
+            for key, val in tensors.items():
+                parts = key.split(".")
+                if len(parts) == 4 and parts[2].isdigit():  # the first format: carry.<micro>.<block>.<field>
+                    old.setdefault((int(parts[2]), parts[3]), {})[int(parts[1])] = val
+                else:
+                    by_key[int(parts[1]), ".".join(parts[2:])] = val
+        except (ValueError, IndexError):
+            raise CheckpointError(f"{source}: unexpected tensor names in extra.safetensors") from None
+        for key, parts in old.items():
+            by_key[key] = torch.cat([parts[m] for m in sorted(parts)])
+        if not by_key or not self.cfg.train.tbptt:
+            return None  # a run resumed without truncated BPTT starts each window from a zero state
+        templates = self.model.empty_state(self.global_rows, "meta")
+        wanted = {(i, name): t for i, tmpl in enumerate(templates) for name, t in (tmpl or {}).items()}
+        for key, val in by_key.items():
+            want = wanted.get(key)
+            if want is None or val.shape != want.shape or not val.is_floating_point():
+                raise CheckpointError(
+                    f"{source}: the TBPTT carry {key[1]!r} of block {key[0]} does not fit this run "
+                    f"({self.global_rows} sequences per step, {len(templates)} blocks)"
+                )
+        if set(by_key) != set(wanted):
+            raise CheckpointError(f"{source}: the TBPTT carry is incomplete")
+        return [
+            [
+                None
+                if tmpl is None
+                else {name: distributed.local_rows(by_key[i, name], self.dist)[rows].to(self.device) for name in tmpl}
+                for i, tmpl in enumerate(templates)
+            ]
+            for rows in self.micro
+        ]
+
+    def load_initial(self, source: str) -> None:
+        """Start from weights elsewhere (train.init_from); reports what differs from this model."""
+        weights = ck.load_weights_file(source)
+        problems = ck.mismatch(self.model.state_dict(), weights)
+        if problems:
+            raise CheckpointError(f"{source} does not match the model: {problems}")
+        ck.check_finite(weights, source)
+        distributed.load_full_state(self.model, None, weights, None)

@@ -1,0 +1,96 @@
+"""The language-model loss without materialising the logits: the head's matmul,
+cross-entropy and RWKV-LM's L2Wrap over chunks of rows.
+
+For hidden states h [M, C], head weight W [V, C] and targets y [M]:
+
+    z = h Wᵀ (per chunk, fp32)      loss = mean_i (logsumexp(z_i) - z_i[y_i])
+
+The gradient is formed chunk by chunk in the forward pass (so no [M, V] tensor
+outlives its chunk): dz = (softmax(z) - onehot(y)) / M, dh = dz W, dW = dzᵀ h.
+
+L2Wrap (RWKV-LM): a small extra gradient on each row's largest logit,
+dz_i[argmax z_i] += 1e-4 · max z_i / M, that pulls logits back towards 0. It
+adds nothing to the loss value. RWKV-LM applies it unscaled per batch; here it
+is scaled with the loss's own gradient, so that a step's gradient does not
+depend on how the batch is split into micro-batches or ranks (the two agree
+for one micro-batch per step).
+"""
+
+from __future__ import annotations
+
+import torch
+
+L2WRAP_FACTOR = 1e-4
+# Rows per chunk are chosen so that one chunk's fp32 logits take about this many bytes.
+CHUNK_BYTES = 64 * 2**20
+
+
+def chunk_rows(vocab: int, budget: int = CHUNK_BYTES) -> int:
+    return max(1, budget // (4 * vocab))
+
+
+class _LinearCrossEntropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h, weight, targets, l2wrap, rows_per_chunk):
+        M = h.shape[0]
+        w = weight.to(h.dtype)
+        w32 = weight.float()
+        dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+        dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        for lo in range(0, M, rows_per_chunk):
+            hc, yc = h[lo : lo + rows_per_chunk], targets[lo : lo + rows_per_chunk]
+            z = (hc @ w.t()).float()
+            lse = torch.logsumexp(z, dim=-1)
+            total += (lse - z.gather(1, yc[:, None]).squeeze(1)).sum()
+            zmax, ids = z.max(dim=-1, keepdim=True) if l2wrap else (None, None)
+            dz = z.sub_(lse[:, None]).exp_()  # softmax, in z's storage
+            dz.scatter_add_(1, yc[:, None], torch.full_like(lse[:, None], -1.0))
+            if l2wrap:
+                dz.scatter_add_(1, ids, L2WRAP_FACTOR * zmax)
+            dz /= M
+            dh[lo : lo + rows_per_chunk] = dz @ w32
+            if dw is not None:
+                dw.addmm_(dz.t(), hc.float())
+        ctx.save_for_backward(dh, dw)
+        ctx.dtypes = (h.dtype, weight.dtype)
+        return total / M
+
+    @staticmethod
+    def backward(ctx, grad):
+        dh, dw = ctx.saved_tensors
+        h_dtype, w_dtype = ctx.dtypes
+        gh = (dh * grad).to(h_dtype) if ctx.needs_input_grad[0] else None
+        gw = (dw * grad).to(w_dtype) if dw is not None else None
+        return gh, gw, None, None, None
+
+
+def linear_cross_entropy(
+    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, l2wrap: bool = False, rows: int | None = None
+) -> torch.Tensor:
+    """Mean cross-entropy of `h @ weight.T` against `targets` (h [..., C], weight [V, C], targets [...]),
+    computed in chunks of `rows` rows (default: ~64 MiB of fp32 logits each), with RWKV-LM's L2Wrap
+    gradient when `l2wrap`. The peak extra memory is one chunk of logits plus fp32 gradients of h and W."""
+    h2 = h.reshape(-1, h.shape[-1])
+    y = targets.reshape(-1).to(torch.int64)
+    if h2.shape[0] != y.shape[0]:
+        raise ValueError(f"{h2.shape[0]} rows of hidden states but {y.shape[0]} targets")
+    return _LinearCrossEntropy.apply(h2, weight, y, l2wrap, rows or chunk_rows(weight.shape[0]))
+
+
+class L2Wrap(torch.autograd.Function):
+    """RWKV-LM's L2Wrap on materialised logits [..., V]: passes the loss through and adds
+    1e-4 · max / rows at each row's argmax to the logits' gradient, scaled like the loss."""
+
+    @staticmethod
+    def forward(ctx, loss, logits):
+        ctx.save_for_backward(logits)
+        return loss
+
+    @staticmethod
+    def backward(ctx, grad):
+        (logits,) = ctx.saved_tensors
+        z = logits.reshape(-1, logits.shape[-1])
+        zmax, ids = z.max(dim=-1, keepdim=True)
+        gz = torch.zeros_like(z).scatter_(-1, ids, zmax * (L2WRAP_FACTOR / z.shape[0]))
+        return grad, (gz * grad).reshape(logits.shape)

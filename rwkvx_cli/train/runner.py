@@ -1,0 +1,133 @@
+"""A training run from start to end: the entry points of `rwkvx init` and `rwkvx train`.
+
+`run_training` guards the run directory, prepares the data (rank 0, the others wait),
+builds the trainer, resumes or starts fresh, trains under a graceful stop, and on a
+finished run plots the losses, validates, and samples a little text. It reports through
+`on_event(kind, payload)` and never prints; the CLI renders:
+
+    "prepared"  PrepareStats   rank 0 tokenized the corpus
+    "resumed"   int            --resume: the step it continues from (0: no checkpoint yet)
+    "start"     TrainStart     the model is built and the loop is about to begin
+    "step", "skipped", "checkpoint"   StepMetrics   from the loop (train/loop.py)
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rwkvx_cli.config import Config, config_to_dict
+from rwkvx_cli.data import PrepareStats
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.models.generate import generate
+from rwkvx_cli.train import checkpoint as ck
+from rwkvx_cli.train import distributed
+from rwkvx_cli.train.distributed import SINGLE, DistInfo
+from rwkvx_cli.train.loop import Trainer
+from rwkvx_cli.train.metrics import StepMetrics
+from rwkvx_cli.train.plot import plot_losses
+from rwkvx_cli.train.run import (
+    checkpoints_dir,
+    ensure_data,
+    loss_plot_path,
+    metrics_path,
+    model_summary,
+    new_model,
+    open_run,
+)
+from rwkvx_cli.train.signals import GracefulStop
+
+# The sample printed at the end of a finished run: a continuation of a newline.
+SAMPLE_PROMPT = "\n"
+SAMPLE_TOKENS = 200
+SAMPLE_TEMPERATURE = 1.0
+SAMPLE_TOP_P = 0.85
+
+OnEvent = Callable[[str, object], None]
+DataProgress = Callable[[], contextlib.AbstractContextManager]
+
+
+@dataclass
+class TrainStart:
+    summary: dict  # train/run.py's model_summary
+    device: torch.device
+
+
+@dataclass
+class TrainResult:
+    step: int
+    last: StepMetrics | None  # None: nothing to do, the run was already complete
+    stopped: bool  # a stop request ended it before the last step (a checkpoint was saved)
+    skipped_steps: int  # non-finite steps that were not applied
+    val: dict | None = None  # final validation of a finished run (loss, bpb, ...)
+    sample: str | None = None  # text sampled from the finished model
+
+
+def init_run(
+    cfg: Config,
+    *,
+    data_progress: DataProgress | None = None,
+    on_prepared: Callable[[PrepareStats], None] | None = None,
+) -> dict:
+    """Write a new run directory (config, tokenizer, prepared data, step-0 checkpoint) without
+    training; returns the model summary. Refuses a directory that already holds checkpoints."""
+    run_dir = Path(cfg.run_dir)
+    if ck.list_checkpoints(checkpoints_dir(run_dir)):
+        raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
+    _, model = open_run(cfg, run_dir, data_progress, on_prepared)
+    if cfg.train.init_from:
+        ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
+    ck.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, {"config": config_to_dict(cfg)}, cfg.train.keep_last)
+    return model_summary(model)
+
+
+def run_training(
+    cfg: Config,
+    resume: bool,
+    dist: DistInfo = SINGLE,
+    device: torch.device | None = None,
+    *,
+    on_event: OnEvent | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
+    data_progress: DataProgress | None = None,
+) -> TrainResult:
+    """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
+    of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
+    preparation and yields its progress callback (done, total)."""
+    emit = on_event or (lambda kind, payload: None)
+    run_dir = Path(cfg.run_dir)
+    if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(checkpoints_dir(run_dir))):
+        raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
+    if dist.is_main:
+        data, model = open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
+    distributed.barrier()  # rank 0 has prepared the data and written the run files
+    if not dist.is_main:
+        data, model = ensure_data(cfg, run_dir), new_model(cfg)
+    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist=dist, device=device)
+    if resume:
+        emit("resumed", trainer.resume(on_skip))
+    else:
+        trainer.metrics.clear()  # a fresh run's log starts empty
+    if trainer.step == 0 and cfg.train.init_from:
+        trainer.load_initial(cfg.train.init_from)
+    emit("start", TrainStart(model_summary(model), trainer.device))
+    with GracefulStop() as stop:
+        last = trainer.run(on_event, should_stop=lambda: stop.requested)
+    result = TrainResult(trainer.step, last, stop.requested or trainer.step < cfg.total_steps, trainer.skipped_steps)
+    if last is None or result.stopped:
+        return result
+    if dist.is_main:
+        plot_losses(metrics_path(run_dir), loss_plot_path(run_dir))
+    result.val = trainer.validate()
+    # Every rank samples the same text (a sharded model needs them all); rank 0 shows it.
+    result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed)
+    return result
+
+
+def sample_text(model, tokenizer, seed: int) -> str:
+    ids = generate(model, tokenizer.encode(SAMPLE_PROMPT), SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed)
+    return tokenizer.decode(ids)

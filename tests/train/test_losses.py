@@ -1,0 +1,72 @@
+"""The chunked linear + cross-entropy head against the materialised one, with and without L2Wrap."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from rwkvx_cli.train.losses import L2Wrap, chunk_rows, linear_cross_entropy
+
+
+def _direct(h, w, y, l2wrap):
+    logits = h @ w.t()
+    loss = F.cross_entropy(logits.float().flatten(0, -2), y.flatten())
+    return L2Wrap.apply(loss, logits) if l2wrap else loss
+
+
+def _grads(fn, h, w, y, l2wrap, scale=1.0):
+    h = h.detach().clone().requires_grad_()
+    w = w.detach().clone().requires_grad_()
+    loss = fn(h, w, y, l2wrap)
+    (loss * scale).backward()
+    return loss.detach(), h.grad, w.grad
+
+
+@pytest.mark.parametrize("l2wrap", [False, True])
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_matches_materialised_loss_and_grads_fp32(l2wrap, rows):
+    gen = torch.Generator().manual_seed(0)
+    B, T, C, V = 3, 11, 16, 50
+    h = torch.randn(B, T, C, generator=gen)
+    w = torch.randn(V, C, generator=gen)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    want = _grads(_direct, h, w, y, l2wrap, scale=0.7)
+    got = _grads(lambda *a: linear_cross_entropy(*a[:3], l2wrap=a[3], rows=rows), h, w, y, l2wrap, scale=0.7)
+    for g, e in zip(got, want, strict=True):
+        torch.testing.assert_close(g, e, rtol=1e-5, atol=1e-6)
+
+
+def test_l2wrap_adds_gradient_at_the_max_logit_only():
+    gen = torch.Generator().manual_seed(1)
+    h = torch.randn(5, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(20, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 20, (5,), generator=gen)
+    _, gh0, gw0 = _grads(_direct, h, w, y, False)
+    _, gh1, gw1 = _grads(_direct, h, w, y, True)
+    logits = h @ w.t()
+    zmax, ids = logits.max(-1)
+    gz = torch.zeros_like(logits)
+    gz[torch.arange(5), ids] = 1e-4 * zmax / 5  # RWKV-LM: 1e-4 / (B*T) * max at the argmax
+    torch.testing.assert_close(gh1 - gh0, gz @ w)
+    torch.testing.assert_close(gw1 - gw0, gz.t() @ h)
+    assert (gh1 - gh0).abs().max() > 0
+
+
+def test_bf16_inputs_give_fp32_accumulated_loss():
+    gen = torch.Generator().manual_seed(2)
+    h = torch.randn(2, 9, 16, generator=gen)
+    w = torch.randn(30, 16, generator=gen)
+    y = torch.randint(0, 30, (2, 9), generator=gen)
+    ref = _direct(h.bfloat16(), w.bfloat16(), y, False)
+    got = linear_cross_entropy(h.bfloat16(), w.bfloat16(), y, rows=4)
+    assert got.dtype == torch.float32
+    torch.testing.assert_close(got, ref, rtol=1e-3, atol=1e-3)
+
+
+def test_chunk_rows_bounds_the_logits_chunk():
+    assert chunk_rows(65536) == 256
+    assert chunk_rows(10**9) == 1
+
+
+def test_row_count_mismatch_is_refused():
+    with pytest.raises(ValueError, match="targets"):
+        linear_cross_entropy(torch.zeros(4, 3), torch.zeros(5, 3), torch.zeros(3, dtype=torch.long))
