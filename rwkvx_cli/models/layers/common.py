@@ -36,6 +36,25 @@ def depth_ratios(layer: int, n_layer: int) -> tuple[float, float]:
     return (layer / (n_layer - 1) if n_layer > 1 else 0.0), 1.0 - layer / n_layer
 
 
+def lrp_eps(z: torch.Tensor, eps: float) -> torch.Tensor:
+    """LRP's ε-rule at a sum node z = Σ_i c_i, as a gradient scale (docs/explain.md#the-method).
+
+    The value is z; the gradient through it is multiplied by s = z / (z + ε·sign z) (sign 0 = +1).
+    With relevance carried as R = x ⊙ ∂f/∂x, the ε-rule's split R(c_i) = c_i R(z) / (z + ε·sign z)
+    is then exactly what autograd computes; ε = 0 is the z-rule (the identity here)."""
+    if eps == 0:
+        return z
+    s = (z / (z + eps * torch.where(z >= 0, 1.0, -1.0).to(z.dtype))).detach()
+    return z * s + (z * (1 - s)).detach()
+
+
+def layer_norm_lrp(ln: nn.LayerNorm, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+    """LayerNorm with LRP's usual rule: the normaliser 1/sqrt(var + eps_ln) is a constant, so the
+    map is linear in x (the centring) plus the bias, which keeps the relevance it is sent."""
+    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + ln.eps).detach()
+    return lrp_eps((x - x.mean(-1, keepdim=True)) * rstd * ln.weight + ln.bias, eps)
+
+
 class ChannelMix(nn.Module):
     """RWKV's channel mix, in every block kind: value(relu(key(x + (x_{t-1} - x) x_k))²)."""
 
@@ -48,6 +67,18 @@ class ChannelMix(nn.Module):
     def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         k = x + (shifted(x, shift) - x) * self.x_k
         return self.value(torch.relu(self.key(k)) ** 2), x[:, -1]
+
+    def lrp_forward(self, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
+        """The forward of a fresh sequence as LRP's modified graph (docs/explain.md#channel-mix).
+
+        The token shift is the weighted sum (1 - x_k) x_t + x_k x_{t-1}; key and value are linear
+        maps (z-rule); relu passes relevance through (relu(z) = z where it is on); the square
+        relu(z)·relu(z) takes one factor as a constant gate, so the relevance of the square goes
+        whole to z (the other factor would double-count it). Gradient × input on this graph is
+        then the composed ε-rule."""
+        k = lrp_eps(x + (shifted(x, None) - x) * self.x_k, eps)
+        h = torch.relu(lrp_eps(self.key(k), eps))
+        return lrp_eps(self.value(h * h.detach()), eps)
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:
