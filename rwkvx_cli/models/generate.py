@@ -14,7 +14,8 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
     probs = torch.softmax(logits.float() / temperature, dim=-1)
     if top_p < 1.0:
         sorted_p, order = probs.sort(descending=True)
-        keep = sorted_p.cumsum(-1) - sorted_p < top_p  # always keeps the top token
+        keep = sorted_p.cumsum(-1) - sorted_p < top_p
+        keep[..., 0] = True  # the top token always stays (top_p 0: greedy)
         probs = torch.zeros_like(probs).scatter(-1, order[keep], sorted_p[keep])
     return int(torch.multinomial(probs / probs.sum(), 1, generator=gen))
 

@@ -8,9 +8,11 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.models.layers import TIME_MIXES, ChannelMix, State, orthogonal_
+from rwkvx_cli.models.losses import linear_cross_entropy
 
 
 def block_kinds(n_rwkv: int, n_attn: int) -> list[str]:
@@ -95,6 +97,7 @@ class LM(nn.Module):
         )
         self.ln_out = nn.LayerNorm(C)
         self.head = nn.Linear(C, cfg.vocab_size, bias=False)
+        self.grad_checkpointing = False  # set by the trainer (train.grad_cp)
 
     @property
     def recurrent(self) -> bool:
@@ -104,15 +107,32 @@ class LM(nn.Module):
     def empty_state(self, B: int, device) -> list:
         return [blk.empty_state(B, device) for blk in self.blocks]
 
-    def forward(self, idx: torch.Tensor, state: list | None = None):
-        """Logits [B, T, V], and the state after the last token (for TBPTT / generation)."""
+    def forward(self, idx: torch.Tensor, state: list | None = None, targets: torch.Tensor | None = None, l2wrap=False):
+        """Logits [B, T, V] and the state after the last token (for TBPTT / generation); with
+        `targets`, the mean cross-entropy instead of the logits, computed in chunks of rows so that
+        the [B, T, V] fp32 logits never exist whole (models/losses.py), with RWKV-LM's L2Wrap
+        gradient when `l2wrap`."""
+        x, new_state = self.hidden(idx, state)
+        if targets is None:
+            return self.head(x), new_state
+        return linear_cross_entropy(x, self.head.weight, targets, l2wrap=l2wrap), new_state
+
+    def hidden(self, idx: torch.Tensor, state: list | None = None):
+        """The normalised hidden states [B, T, C] that the head reads, and the new state. With
+        `grad_checkpointing` on, each block's activations are recomputed in the backward pass
+        instead of kept (torch.utils.checkpoint, non-reentrant)."""
         x = self.emb(idx)
         v_first = None
         new_state = []
+        recompute = self.grad_checkpointing and torch.is_grad_enabled()
         for i, blk in enumerate(self.blocks):
-            x, v_first, s = blk(x, v_first, state[i] if state is not None else None)
+            s = state[i] if state is not None else None
+            if recompute:
+                x, v_first, s = checkpoint(blk, x, v_first, s, use_reentrant=False)
+            else:
+                x, v_first, s = blk(x, v_first, s)
             new_state.append(s)
-        return self.head(self.ln_out(x)), new_state
+        return self.ln_out(x), new_state
 
     def loss(self, idx, targets, state=None):
         logits, new_state = self(idx, state)

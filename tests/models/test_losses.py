@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from rwkvx_cli.train.losses import L2Wrap, chunk_rows, linear_cross_entropy
+from rwkvx_cli.models.losses import L2Wrap, chunk_rows, linear_cross_entropy
 
 
 def _direct(h, w, y, l2wrap):
@@ -70,3 +70,41 @@ def test_chunk_rows_bounds_the_logits_chunk():
 def test_row_count_mismatch_is_refused():
     with pytest.raises(ValueError, match="targets"):
         linear_cross_entropy(torch.zeros(4, 3), torch.zeros(5, 3), torch.zeros(3, dtype=torch.long))
+
+
+def _tiny_lm(**over):
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.models import build_model
+
+    cfg = ModelConfig(**{"n_layer": 2, "n_embd": 32, "head_size": 16, "vocab_size": 40, **over})
+    return build_model(cfg, seed=0)
+
+
+@pytest.mark.parametrize("layers", [[], ["rwkv7", "moba", "gdn"]])
+def test_model_chunked_loss_and_grad_checkpointing_match_the_plain_path(layers):
+    torch.manual_seed(0)
+    model = _tiny_lm(layers=layers).double()
+    with torch.no_grad():  # the init zeroes output projections: perturb so every weight gets a gradient
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn_like(p))
+    idx = torch.randint(0, 40, (2, 24))
+    y = torch.randint(0, 40, (2, 24))
+
+    def run(fused, recompute):
+        model.zero_grad()
+        model.grad_checkpointing = recompute
+        if fused:
+            loss, _ = model(idx, targets=y)
+        else:
+            logits, _ = model(idx)
+            loss = F.cross_entropy(logits.flatten(0, 1), y.flatten())
+        loss.backward()
+        return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+    base_loss, base = run(False, False)
+    for fused, recompute in ((True, False), (False, True), (True, True)):
+        loss, grads = run(fused, recompute)
+        torch.testing.assert_close(loss, base_loss, rtol=1e-10, atol=1e-12)
+        assert grads.keys() == base.keys()
+        for n in base:
+            torch.testing.assert_close(grads[n], base[n], rtol=1e-8, atol=1e-12, msg=n)

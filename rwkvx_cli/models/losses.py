@@ -33,14 +33,15 @@ class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def forward(ctx, h, weight, targets, l2wrap, rows_per_chunk):
         M = h.shape[0]
+        acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # fp32 accumulation at least
         w = weight.to(h.dtype)
-        w32 = weight.float()
-        dh = torch.empty(h.shape, dtype=torch.float32, device=h.device)
-        dw = torch.zeros(weight.shape, dtype=torch.float32, device=h.device) if ctx.needs_input_grad[1] else None
-        total = torch.zeros((), dtype=torch.float32, device=h.device)
+        w_acc = weight.to(acc)
+        dh = torch.empty(h.shape, dtype=acc, device=h.device)
+        dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if ctx.needs_input_grad[1] else None
+        total = torch.zeros((), dtype=acc, device=h.device)
         for lo in range(0, M, rows_per_chunk):
             hc, yc = h[lo : lo + rows_per_chunk], targets[lo : lo + rows_per_chunk]
-            z = (hc @ w.t()).float()
+            z = (hc @ w.t()).to(acc)
             lse = torch.logsumexp(z, dim=-1)
             total += (lse - z.gather(1, yc[:, None]).squeeze(1)).sum()
             zmax, ids = z.max(dim=-1, keepdim=True) if l2wrap else (None, None)
@@ -49,9 +50,9 @@ class _LinearCrossEntropy(torch.autograd.Function):
             if l2wrap:
                 dz.scatter_add_(1, ids, L2WRAP_FACTOR * zmax)
             dz /= M
-            dh[lo : lo + rows_per_chunk] = dz @ w32
+            dh[lo : lo + rows_per_chunk] = dz @ w_acc
             if dw is not None:
-                dw.addmm_(dz.t(), hc.float())
+                dw.addmm_(dz.t(), hc.to(acc))
         ctx.save_for_backward(dh, dw)
         ctx.dtypes = (h.dtype, weight.dtype)
         return total / M
