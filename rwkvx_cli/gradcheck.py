@@ -1,4 +1,4 @@
-"""The two gradient-check gates of ../shared/docs/ops.md, for any registered op.
+"""The two gradient-check gates of docs/gradcheck.md, for any registered op.
 
 Gate A (parity): the backend in fp32 against the fp64 `reference` backend
 differentiated by autograd, on the op's fixed-seed cases; compares the output,

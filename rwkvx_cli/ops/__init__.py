@@ -1,17 +1,18 @@
-"""Operators. Importing this package registers every op (see registry.py)."""
+"""Operators. Importing this package registers every op: each op's spec.py calls
+`register` (see registry.py), and its __init__.py holds the public function."""
 
-from rwkvx_cli.ops import gdn as _gdn_package  # noqa: F401  (registers "gdn")
-from rwkvx_cli.ops import kda as _kda_package  # noqa: F401  (registers "kda")
-from rwkvx_cli.ops import moba as _moba_package  # noqa: F401  (registers "moba")
-from rwkvx_cli.ops import rwkv8 as _rwkv8_package  # noqa: F401  (registers "rwkv8")
-from rwkvx_cli.ops import wkv4 as _wkv4_package  # noqa: F401  (registers "wkv4")
-from rwkvx_cli.ops import wkv7 as _wkv7_package  # noqa: F401  (registers "wkv7")
 from rwkvx_cli.ops.gdn import gdn
+from rwkvx_cli.ops.gdn import spec as _gdn_spec  # noqa: F401  (registers "gdn")
 from rwkvx_cli.ops.kda import kda
+from rwkvx_cli.ops.kda import spec as _kda_spec  # noqa: F401  (registers "kda")
 from rwkvx_cli.ops.moba import moba
+from rwkvx_cli.ops.moba import spec as _moba_spec  # noqa: F401  (registers "moba")
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, get_op, op_names, resolve_backend
 from rwkvx_cli.ops.rwkv8 import rwkv8
+from rwkvx_cli.ops.rwkv8 import spec as _rwkv8_spec  # noqa: F401  (registers "rwkv8")
+from rwkvx_cli.ops.wkv4 import spec as _wkv4_spec  # noqa: F401  (registers "wkv4")
 from rwkvx_cli.ops.wkv4 import wkv4
+from rwkvx_cli.ops.wkv7 import spec as _wkv7_spec  # noqa: F401  (registers "wkv7")
 from rwkvx_cli.ops.wkv7 import wkv7
 
 __all__ = [

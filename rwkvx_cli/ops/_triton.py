@@ -1,9 +1,12 @@
 """Triton, when installed, and whether its kernels can run here: on CUDA, or on
-CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, the test suite)."""
+CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, the test suite);
+plus what every Triton backend's autograd wrapper does around its kernels."""
 
 from __future__ import annotations
 
+import functools
 import os
+from collections.abc import Callable, Iterable
 
 import torch
 
@@ -13,7 +16,22 @@ try:
 except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
     triton = tl = None
 
-__all__ = ["compute_dtype", "state_blocks", "tl", "triton", "unavailable"]
+__all__ = [
+    "CHUNK",
+    "cast_back",
+    "compute_dtype",
+    "compute_empty",
+    "prepare",
+    "state_blocks",
+    "tl",
+    "triton",
+    "unavailable",
+]
+
+# Steps per chunk of time in every Triton kernel: the fused kernels' state snapshot
+# interval (the backward recomputes a chunk from its snapshot), the chunked kernels'
+# chunk length (a power of two >= 16, the smallest tl.dot tile).
+CHUNK = 16
 
 
 def unavailable() -> str | None:
@@ -37,3 +55,23 @@ def state_blocks(N: int) -> tuple[int, int, int]:
     full = triton.next_power_of_2(N)
     part = min(full, 32)
     return full, part, triton.cdiv(N, part)
+
+
+def prepare(inputs: Iterable[torch.Tensor], states: Iterable[torch.Tensor], dtype: torch.dtype):
+    """What a kernel launch reads: the inputs detached and contiguous (the kernels load and
+    convert them), the states detached in the compute dtype of `dtype`, and that dtype as
+    (torch, triton). Serves the backward too, with dy and the final state's gradient."""
+    cdt, DT = compute_dtype(dtype)
+    ins = [x.detach().contiguous() for x in inputs]
+    states = [s.detach().to(cdt).contiguous() for s in states]
+    return ins, states, cdt, DT
+
+
+def compute_empty(dtype: torch.dtype, device: torch.device) -> Callable[..., torch.Tensor]:
+    """torch.empty in the compute dtype on the kernels' device: outputs, partials, scratch."""
+    return functools.partial(torch.empty, dtype=dtype, device=device)
+
+
+def cast_back(grads: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) -> tuple[torch.Tensor, ...]:
+    """Each gradient, computed in the compute dtype, in the dtype of the tensor it belongs to."""
+    return tuple(g.to(dt) for g, dt in zip(grads, dtypes, strict=True))

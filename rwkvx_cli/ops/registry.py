@@ -1,7 +1,9 @@
 """The op registry: what `gradcheck` and `bench` know about each operator.
 
-An op is added with one package under `rwkvx_cli/ops/` that calls `register`;
-commands iterate the registry and never special-case an op by name.
+An op is added with one package under `rwkvx_cli/ops/`: its `__init__.py` holds
+the public function, its `spec.py` calls `register`, and `ops/__init__.py`
+imports that spec. Commands iterate the registry and never special-case an op
+by name.
 """
 
 from __future__ import annotations

@@ -8,9 +8,10 @@ import torch.nn.functional as F
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from rwkvx_cli.ops import get_op
-from rwkvx_cli.ops.moba import _gate_margin, moba
+from rwkvx_cli.ops.moba import moba
 from rwkvx_cli.ops.moba import sparse as sparse_module
 from rwkvx_cli.ops.moba import tiled as tiled_module
+from rwkvx_cli.ops.moba.spec import _gate_margin
 
 SPEC = get_op("moba")
 BACKENDS = ["reference", *(bk.name for bk in SPEC.production_backends())]

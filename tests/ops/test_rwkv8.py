@@ -52,7 +52,7 @@ def assert_all_close(got, ref, rtol=1e-10, atol=1e-12):
 @pytest.mark.parametrize("backend", ["reference", *PRODUCTION])
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_the_seed_test_vector(backend, dtype):
-    """H = 1, L = 2, E = 2, decay 0.5, zero state (../shared/docs/ops.md)."""
+    """H = 1, L = 2, E = 2, decay 0.5, zero state (docs/operators.md#rwkv8)."""
     q = torch.tensor([[2.0, 0.0], [1.0, 3.0]], dtype=dtype).reshape(1, 2, 1, 2)
     v = torch.tensor([[10.0, 20.0], [30.0, 40.0]], dtype=dtype).reshape(1, 2, 1, 2)
     d = torch.full((1, 2), 0.5, dtype=dtype)

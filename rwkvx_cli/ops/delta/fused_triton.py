@@ -25,10 +25,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
-
-CHUNK = 16
-
+from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 if triton is not None:
 
@@ -53,26 +50,12 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        s0,
-        y,
-        s_out,
-        snaps,
-        scale,
-        T,
-        H,
-        N: tl.constexpr,
-        G: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
+        q, k, v, g, beta, s0,
+        y, s_out, snaps,
+        scale, T, H,
+        N: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC,
         DT: tl.constexpr,
-    ):
+    ):  # fmt: skip
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         row0 = (bh // H) * T * H + bh % H
@@ -98,35 +81,13 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        q,
-        k,
-        v,
-        g,
-        beta,
-        snaps,
-        dy,
-        ds_out,
-        scratch,
-        scratch_w,
-        dv,
-        ds0,
-        dq_p,
-        dk_p,
-        dg_p,
-        db_lanes,
-        scale,
-        T,
-        H,
-        PSTRIDE,
-        N: tl.constexpr,
-        G: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        NVB,
+        q, k, v, g, beta, snaps, dy, ds_out,
+        scratch, scratch_w,
+        dv, ds0, dq_p, dk_p, dg_p, db_lanes,
+        scale, T, H, PSTRIDE,
+        N: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, NVB,
         DT: tl.constexpr,
-    ):
+    ):  # fmt: skip
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         row0 = (bh // H) * T * H + bh % H
@@ -188,9 +149,7 @@ class _DeltaTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, state, scale):
         B, T, H, N = q.shape
         G = g.shape[-1]
-        ins = [x.detach().contiguous() for x in (q, k, v, g, beta)]
-        cdt, DT = compute_dtype(q.dtype)
-        s0 = state.detach().to(cdt).contiguous()
+        ins, (s0,), _, DT = prepare((q, k, v, g, beta), (state,), q.dtype)
         BK, BV, NVB = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[0])
@@ -199,7 +158,7 @@ class _DeltaTriton(torch.autograd.Function):
         _fwd_kernel[(B * H, NVB)](*ins, s0, y, s_out, snaps, scale, T, H, N, G, BK, BV, CHUNK, NC, DT)
         ctx.save_for_backward(*ins, snaps)
         ctx.scale = scale
-        ctx.dtypes = (g.dtype, beta.dtype, state.dtype)
+        ctx.dtypes = (q.dtype,) * 3 + (g.dtype, beta.dtype, state.dtype)
         return y, s_out
 
     @staticmethod
@@ -209,53 +168,23 @@ class _DeltaTriton(torch.autograd.Function):
         G = ins[3].shape[-1]
         BK, BV, NVB = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
-        cdt, DT = compute_dtype(ins[0].dtype)
-        f = dict(dtype=cdt, device=dy.device)
-        scratch = torch.empty(B * H * NVB * CHUNK * BK * BV, **f)
-        scratch_w = torch.empty(B * H * NVB * CHUNK * BV, **f)
-        dv = torch.empty(B, T, H, N, **f)
-        ds0 = torch.empty(B, H, N, N, **f)
-        dq_p, dk_p, dg_p = (torch.empty(NVB, B, T, H, N, **f) for _ in range(3))
-        db_lanes = torch.empty(B, T, H, N, **f)  # w_j du_j: each value column belongs to one block
+        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), ins[0].dtype)
+        empty = compute_empty(cdt, dy.device)
+        scratch = empty(B * H * NVB * CHUNK * BK * BV)
+        scratch_w = empty(B * H * NVB * CHUNK * BV)
+        dv = empty(B, T, H, N)
+        ds0 = empty(B, H, N, N)
+        dq_p, dk_p, dg_p = (empty(NVB, B, T, H, N) for _ in range(3))
+        db_lanes = empty(B, T, H, N)  # w_j du_j: each value column belongs to one block
         _bwd_kernel[(B * H, NVB)](
-            *ins,
-            snaps,
-            dy.contiguous(),
-            ds_out.to(cdt).contiguous(),
-            scratch,
-            scratch_w,
-            dv,
-            ds0,
-            dq_p,
-            dk_p,
-            dg_p,
-            db_lanes,
-            ctx.scale,
-            T,
-            H,
-            B * T * H * N,
-            N,
-            G,
-            BK,
-            BV,
-            CHUNK,
-            NC,
-            NVB,
-            DT,
-        )
+            *ins, snaps, dy, ds_out, scratch, scratch_w, dv, ds0, dq_p, dk_p, dg_p, db_lanes,
+            ctx.scale, T, H, B * T * H * N, N, G, BK, BV, CHUNK, NC, NVB, DT,
+        )  # fmt: skip
         dq, dk, dg = dq_p.sum(0), dk_p.sum(0), dg_p.sum(0)
         if G == 1:
             dg = dg.sum(-1, keepdim=True)
         dbeta = db_lanes.sum(-1)
-        g_dtype, beta_dtype, state_dtype = ctx.dtypes
-        x_dtype = ins[0].dtype
-        return (
-            *(t.to(x_dtype) for t in (dq, dk, dv)),
-            dg.to(g_dtype),
-            dbeta.to(beta_dtype),
-            ds0.to(state_dtype),
-            None,
-        )
+        return (*cast_back((dq, dk, dv, dg, dbeta, ds0), ctx.dtypes), None)
 
 
 def delta_triton(q, k, v, g, beta, state, scale):

@@ -1,17 +1,17 @@
-"""gdn: the gated delta rule with one gate per head (Gated DeltaNet; see ../shared/docs/ops.md).
+"""gdn: the gated delta rule with one gate per head (Gated DeltaNet;
+docs/operators.md#gated-delta-rule-gdn-and-kda).
 
     P = exp(g_t) S_{t-1} ;  u_t = β_t (v_t - Pᵀ k_t) ;  S_t = P + k_t u_tᵀ ;  y_t = c S_tᵀ q_t
 
 The kernels live in rwkvx_cli/ops/delta (shared with kda, which is this op with
-one gate per key channel); this package is the API and the registry entry.
+one gate per key channel); this package is the API; spec.py registers it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops.delta import make_spec, run
-from rwkvx_cli.ops.registry import register
+from rwkvx_cli.ops.delta import run
 
 
 def gdn(
@@ -30,7 +30,4 @@ def gdn(
     [B, H, N, N], row = key channel, fp32 or fp64 for fp64 inputs). `scale`
     multiplies q (default 1/sqrt(N)). Differentiable with respect to every input,
     the initial state, and through state_out, so segments can be chained."""
-    return run(SPEC, q, k, v, g, beta, state, scale, backend, per_channel=False)
-
-
-SPEC = register(make_spec("gdn", "gated delta rule, one gate per head (Gated DeltaNet)", gdn, per_channel=False))
+    return run("gdn", q, k, v, g, beta, state, scale, backend, per_channel=False)

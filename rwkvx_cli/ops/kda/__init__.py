@@ -1,19 +1,18 @@
 """kda: the gated delta rule with one gate per key channel (Kimi Delta Attention;
-see ../shared/docs/ops.md).
+docs/operators.md#gated-delta-rule-gdn-and-kda).
 
     P = diag(exp(g_t)) S_{t-1} ;  u_t = β_t (v_t - Pᵀ k_t) ;  S_t = P + k_t u_tᵀ ;  y_t = c S_tᵀ q_t
 
 The kernels live in rwkvx_cli/ops/delta (shared with gdn, which is this op with
-its gate broadcast over the key channels); this package is the API and the
-registry entry.
+its gate broadcast over the key channels); this package is the API; spec.py
+registers it.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops.delta import make_spec, run
-from rwkvx_cli.ops.registry import register
+from rwkvx_cli.ops.delta import run
 
 
 def kda(
@@ -33,9 +32,4 @@ def kda(
     fp32 or fp64 for fp64 inputs). `scale` multiplies q (default 1/sqrt(N)).
     Differentiable with respect to every input, the initial state, and through
     state_out, so segments can be chained."""
-    return run(SPEC, q, k, v, g, beta, state, scale, backend, per_channel=True)
-
-
-SPEC = register(
-    make_spec("kda", "gated delta rule, one gate per key channel (Kimi Delta Attention)", kda, per_channel=True)
-)
+    return run("kda", q, k, v, g, beta, state, scale, backend, per_channel=True)

@@ -16,13 +16,11 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
-CHUNK = 16
-
-
 if triton is not None:
+    _EPS = tl.constexpr(EPS)  # jit code reads a module global only as a constexpr
 
     @triton.jit
     def _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT: tl.constexpr):
@@ -34,33 +32,15 @@ if triton is not None:
         vh = tl.where(Hv > 1, h, 0)
         vt = tl.load(v + ((bi * T + t) * Hv + vh) * E + cols, mask=(cols < E) & ((cols * 0 + t) < T), other=0.0)
         vt = vt.to(DT)
-        return qr, tl.sum(q_all, axis=0) + 1e-6, vt
+        return qr, tl.sum(q_all, axis=0) + _EPS, vt
 
     @triton.jit
     def _fwd_kernel(
-        q,
-        v,
-        d,
-        rho0,
-        n0,
-        y_p,
-        rhoT,
-        nT,
-        snaps,
-        nsnaps,
-        T,
-        H,
-        Hv,
-        L,
-        E,
-        PSTRIDE,
-        BR: tl.constexpr,
-        BE: tl.constexpr,
-        BL: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        DT: tl.constexpr,
-    ):
+        q, v, d, rho0, n0,
+        y_p, rhoT, nT, snaps, nsnaps,
+        T, H, Hv, L, E, PSTRIDE,
+        BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0)
         ir = tl.program_id(1)
         bi = bh // H
@@ -80,7 +60,7 @@ if triton is not None:
                 tl.store(snaps + c * L * E + off2, R, mask=m2)
                 tl.store(nsnaps + c * L + rows, n, mask=mr)
             qr, s, vt = _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
-            z = qr / (s * (n + 1e-6))
+            z = qr / (s * (n + _EPS))
             y_part = tl.sum(z[:, None] * R, axis=0)
             tl.store(y_p + ir * PSTRIDE + ((bi * T + t) * H + h) * E + cols, y_part, mask=cols < E)
             R = dr[:, None] * R + qr[:, None] * vt[None, :]
@@ -90,36 +70,12 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        q,
-        v,
-        d,
-        snaps,
-        nsnaps,
-        dy,
-        drhoT,
-        dnT,
-        scratch,
-        nscratch,
-        dq_p,
-        zdz_p,
-        dv_p,
-        dd_rows,
-        drho0,
-        dn0,
-        T,
-        H,
-        Hv,
-        L,
-        E,
-        PSTRIDE,
-        QSTRIDE,
-        BR: tl.constexpr,
-        BE: tl.constexpr,
-        BL: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        DT: tl.constexpr,
-    ):
+        q, v, d, snaps, nsnaps, dy, drhoT, dnT,
+        scratch, nscratch,
+        dq_p, zdz_p, dv_p, dd_rows, drho0, dn0,
+        T, H, Hv, L, E, PSTRIDE, QSTRIDE,
+        BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0)
         ir = tl.program_id(1)
         bi = bh // H
@@ -160,7 +116,7 @@ if triton is not None:
                 qr, s, vt = _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
                 base = (bi * T + t) * H + h
                 dyt = tl.load(dy + base * E + cols, mask=okc, other=0.0).to(DT)
-                im = 1.0 / (np_ + 1e-6)
+                im = 1.0 / (np_ + _EPS)
                 z = qr * im / s
                 a = tl.sum(dR * vt[None, :], axis=1)
                 g = tl.sum(dR * Rp, axis=1)
@@ -192,18 +148,17 @@ class _RWKV8Triton(torch.autograd.Function):
     def forward(ctx, q, v, d, rho, norm):
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
-        cdt, DT = compute_dtype(q.dtype)
-        ins = [x.detach().contiguous() for x in (q, v, d)]
-        s0 = [s.detach().to(cdt).contiguous() for s in (rho, norm)]
+        ins, s0, cdt, DT = prepare((q, v, d), (rho, norm), q.dtype)
         BR, BE, BL, NR = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)
-        y_p = torch.empty(NR, B, T, H, E, dtype=cdt, device=q.device)
+        y_p = compute_empty(cdt, q.device)(NR, B, T, H, E)
         rho_out, norm_out = torch.empty_like(s0[0]), torch.empty_like(s0[1])
         snaps = s0[0].new_empty(B, H, NC, L, E)
         nsnaps = s0[0].new_empty(B, H, NC, L)
         _fwd_kernel[(B * H, NR)](
-            *ins, *s0, y_p, rho_out, norm_out, snaps, nsnaps, T, H, Hv, L, E, B * T * H * E, BR, BE, BL, CHUNK, NC, DT
-        )
+            *ins, *s0, y_p, rho_out, norm_out, snaps, nsnaps,
+            T, H, Hv, L, E, B * T * H * E, BR, BE, BL, CHUNK, NC, DT,
+        )  # fmt: skip
         ctx.save_for_backward(*ins, snaps, nsnaps)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
         return y_p.sum(0).to(q.dtype), rho_out, norm_out
@@ -213,20 +168,19 @@ class _RWKV8Triton(torch.autograd.Function):
         q, v, d, snaps, nsnaps = ctx.saved_tensors
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
-        cdt, DT = compute_dtype(q.dtype)
+        (dy,), (drho, dnorm), cdt, DT = prepare((dy,), (drho, dnorm), q.dtype)
         BR, BE, BL, NR = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)
-        f = dict(dtype=cdt, device=q.device)
-        scratch = torch.empty(B * H * NR * CHUNK * BR * BE, **f)
-        nscratch = torch.empty(B * H * NR * CHUNK * BR, **f)
-        dq_local = torch.empty(B, T, H, L, **f)
-        zdz_p = torch.empty(NR, B, T, H, **f)
-        dv_p = torch.empty(NR, B, T, H, E, **f)
-        dd_rows = torch.empty(B, H, L, **f)
-        drho0, dnorm0 = torch.empty(B, H, L, E, **f), torch.empty(B, H, L, **f)
+        empty = compute_empty(cdt, q.device)
+        scratch = empty(B * H * NR * CHUNK * BR * BE)
+        nscratch = empty(B * H * NR * CHUNK * BR)
+        dq_local = empty(B, T, H, L)
+        zdz_p = empty(NR, B, T, H)
+        dv_p = empty(NR, B, T, H, E)
+        dd_rows = empty(B, H, L)
+        drho0, dnorm0 = empty(B, H, L, E), empty(B, H, L)
         _bwd_kernel[(B * H, NR)](
-            q, v, d, snaps, nsnaps, dy.contiguous(), drho.to(cdt).contiguous(), dnorm.to(cdt).contiguous(),
-            scratch, nscratch, dq_local, zdz_p, dv_p, dd_rows, drho0, dnorm0,
+            q, v, d, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_local, zdz_p, dv_p, dd_rows, drho0, dnorm0,
             T, H, Hv, L, E, B * T * H * E, B * T * H, BR, BE, BL, CHUNK, NC, DT,
         )  # fmt: skip
         s = q.to(cdt).sum(-1) + EPS  # [B, T, H]
@@ -234,8 +188,7 @@ class _RWKV8Triton(torch.autograd.Function):
         dv = dv_p.sum(0)
         if Hv == 1:
             dv = dv.sum(2, keepdim=True)
-        grads = (dq, dv, dd_rows.sum(0), drho0, dnorm0)
-        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+        return cast_back((dq, dv, dd_rows.sum(0), drho0, dnorm0), ctx.dtypes)
 
 
 def rwkv8_triton(q, v, d, state):

@@ -17,10 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
-
-CHUNK = 16
-
+from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 if triton is not None:
 
@@ -54,25 +51,11 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        w,
-        u,
-        k,
-        v,
-        aa0,
-        bb0,
-        pp0,
-        y,
-        aaT,
-        bbT,
-        ppT,
-        snaps,
-        T,
-        C,
-        BC: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        DT: tl.constexpr,
-    ):
+        w, u, k, v, aa0, bb0, pp0,
+        y, aaT, bbT, ppT, snaps,
+        T, C,
+        BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+    ):  # fmt: skip
         b = tl.program_id(0)
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         mc = cols < C
@@ -99,32 +82,12 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        w,
-        u,
-        k,
-        v,
-        aaT,
-        bbT,
-        snaps,
-        dy,
-        daaT,
-        dbbT,
-        dppT,
+        w, u, k, v, aaT, bbT, snaps, dy, daaT, dbbT, dppT,
         scratch,
-        dk,
-        dv,
-        daa0,
-        dbb0,
-        dpp0,
-        dw_rows,
-        du_rows,
-        T,
-        C,
-        BC: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        DT: tl.constexpr,
-    ):
+        dk, dv, daa0, dbb0, dpp0, dw_rows, du_rows,
+        T, C,
+        BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+    ):  # fmt: skip
         b = tl.program_id(0)
         ic = tl.program_id(1)
         lane = tl.arange(0, BC)
@@ -203,9 +166,7 @@ class _WKV4Triton(torch.autograd.Function):
     def forward(ctx, w, u, k, v, aa, bb, pp):
         B, T, H, N = k.shape
         C = H * N
-        cdt, DT = compute_dtype(k.dtype)
-        ins = [x.detach().contiguous() for x in (w, u, k, v)]
-        s0 = [s.detach().to(cdt).contiguous() for s in (aa, bb, pp)]
+        ins, s0, _, DT = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
         BC, NC = _block(C), triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[2])
         s_out = [torch.empty_like(s0[0]) for _ in range(3)]
@@ -220,21 +181,19 @@ class _WKV4Triton(torch.autograd.Function):
         w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
         B, T, H, N = k.shape
         C = H * N
-        cdt, DT = compute_dtype(k.dtype)
+        (dy,), dstate, cdt, DT = prepare((dy,), (daa, dbb, dpp), k.dtype)
         BC, NC = _block(C), triton.cdiv(T, CHUNK)
         grid = (B, triton.cdiv(C, BC))
-        f = dict(dtype=cdt, device=k.device)
-        scratch = torch.empty(B * grid[1] * CHUNK * 3 * BC, **f)
-        dk, dv = torch.empty(B, T, H, N, **f), torch.empty(B, T, H, N, **f)
-        ds0 = [torch.empty(B, H, N, **f) for _ in range(3)]
-        dw_rows, du_rows = torch.empty(B, H, N, **f), torch.empty(B, H, N, **f)
-        douts = [g.contiguous() for g in (dy, daa.to(cdt), dbb.to(cdt), dpp.to(cdt))]
+        empty = compute_empty(cdt, k.device)
+        scratch = empty(B * grid[1] * CHUNK * 3 * BC)
+        dk, dv = empty(B, T, H, N), empty(B, T, H, N)
+        ds0 = [empty(B, H, N) for _ in range(3)]
+        dw_rows, du_rows = empty(B, H, N), empty(B, H, N)
         _bwd_kernel[grid](
-            w, u, k, v, aaT, bbT, snaps, *douts, scratch, dk, dv, *ds0, dw_rows, du_rows,
+            w, u, k, v, aaT, bbT, snaps, dy, *dstate, scratch, dk, dv, *ds0, dw_rows, du_rows,
             T, C, BC, CHUNK, NC, DT,
         )  # fmt: skip
-        grads = (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
-        return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+        return cast_back((dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0), ctx.dtypes)
 
 
 def wkv4_triton(w, u, k, v, state):

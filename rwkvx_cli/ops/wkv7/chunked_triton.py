@@ -52,12 +52,11 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops.wkv7.fused_triton import unavailable  # same requirements: triton, CUDA or the interpreter
+from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable
 
 __all__ = ["CHUNK", "unavailable", "wkv7_triton_chunked"]
 
-CHUNK = 16
-LOG2_CHUNK = 4
+LOG2_CHUNK = CHUNK.bit_length() - 1  # the (I - A)⁻¹ product's squarings
 W_MIN = -60.0
 # tl.dot precision for fp32 data: "tf32x3" runs on tensor cores with three TF32 products
 # (~fp32 accuracy; a torch emulation of it gives the same gate-A margins as exact fp32,
@@ -66,12 +65,6 @@ W_MIN = -60.0
 DOT_PRECISION = "tf32x3"
 # The pairwise [key, t, s] tiles are register-heavy: 8 warps keep ptxas spills small (sm_90).
 PAIRWISE_WARPS = 8
-
-try:
-    import triton
-    import triton.language as tl
-except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
-    triton = None
 
 
 if triton is not None:
@@ -376,11 +369,9 @@ def _blocks(N: int) -> tuple[int, int, int]:
     return BK, min(BK, 32), min(BK, 32)
 
 
-def _compute_dtype(dtype: torch.dtype):
-    """fp32 state and accumulation; fp64 throughout for fp64 inputs (the gradient checks)."""
-    if dtype == torch.float64:
-        return torch.float64, tl.float64, "ieee"
-    return torch.float32, tl.float32, DOT_PRECISION
+def _dot_precision(dtype: torch.dtype) -> str:
+    """Exact dots for fp64 inputs (the gradient checks), DOT_PRECISION otherwise."""
+    return "ieee" if dtype == torch.float64 else DOT_PRECISION
 
 
 def _intra(ins, NC: int, cdt: torch.dtype, DT, prec: str) -> list[torch.Tensor]:
@@ -388,9 +379,10 @@ def _intra(ins, NC: int, cdt: torch.dtype, DT, prec: str) -> list[torch.Tensor]:
     r, w, k, _, a, b = ins
     B, T, H, N = r.shape
     BK, BKC, _ = _blocks(N)
-    mats = [torch.empty(B * H, NC, CHUNK, CHUNK, dtype=cdt, device=r.device) for _ in range(4)]
-    rows = [torch.empty(B * H, NC * CHUNK, N, dtype=cdt, device=r.device) for _ in range(4)]
-    ecl = torch.empty(B * H, NC, N, dtype=cdt, device=r.device)
+    empty = compute_empty(cdt, r.device)
+    mats = [empty(B * H, NC, CHUNK, CHUNK) for _ in range(4)]
+    rows = [empty(B * H, NC * CHUNK, N) for _ in range(4)]
+    ecl = empty(B * H, NC, N)
     _intra_kernel[(NC, B * H)](
         w, a, b, k, r, *mats, *rows, ecl, T, H, NC, N, CHUNK, LOG2_CHUNK, BK, BKC, DT, prec, W_MIN,
         num_warps=PAIRWISE_WARPS,
@@ -402,15 +394,14 @@ class _WKV7TritonChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
-        ins = [x.detach().contiguous() for x in (r, w, k, v, a, b)]
-        cdt, DT, prec = _compute_dtype(r.dtype)
-        s0 = state.detach().to(cdt).contiguous()
+        ins, (s0,), cdt, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
+        prec = _dot_precision(r.dtype)
         BK, _, BV = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
         consts = _intra(ins, NC, cdt, DT, prec)
         # y in the compute dtype, rounded to the input dtype by torch (round-to-nearest-even;
         # Triton's interpreter truncates fp32 -> bf16)
-        y = torch.empty(B, T, H, N, dtype=cdt, device=r.device)
+        y = compute_empty(cdt, r.device)(B, T, H, N)
         snaps = s0.new_empty(B, H, NC + 1, N, N)
         s_out = torch.empty_like(s0)
         _fwd_state_kernel[(B * H, triton.cdiv(N, BV))](
@@ -425,29 +416,28 @@ class _WKV7TritonChunked(torch.autograd.Function):
         *ins, snaps = ctx.saved_tensors
         r, w, k, v, a, b = ins
         B, T, H, N = r.shape
-        cdt, DT, prec = _compute_dtype(r.dtype)
+        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), r.dtype)
+        prec = _dot_precision(r.dtype)
         BK, BKC, BV = _blocks(N)
         NC = triton.cdiv(T, CHUNK)
         consts = _intra(ins, NC, cdt, DT, prec)
-        f = dict(dtype=cdt, device=r.device)
-        U = torch.empty(B * H, NC * CHUNK, N, **f)
-        dX = torch.empty(B * H, NC * CHUNK, N, **f)
-        dsnaps = torch.empty(B, H, NC, N, N, **f)
-        dv = torch.empty(B, T, H, N, **f)
-        ds0 = torch.empty(B, H, N, N, **f)
-        dy = dy.contiguous()
+        empty = compute_empty(cdt, r.device)
+        U = empty(B * H, NC * CHUNK, N)
+        dX = empty(B * H, NC * CHUNK, N)
+        dsnaps = empty(B, H, NC, N, N)
+        dv = empty(B, T, H, N)
+        ds0 = empty(B, H, N, N)
         _bwd_state_kernel[(B * H, triton.cdiv(N, BV))](
-            v, dy, snaps, ds_out.to(cdt).contiguous(), *consts, U, dX, dv, dsnaps, ds0,
+            v, dy, snaps, ds_out, *consts, U, dX, dv, dsnaps, ds0,
             T, H, NC, N, CHUNK, BK, BV, DT, prec,
         )  # fmt: skip
-        dr, dw, dk, da, db = (torch.empty(B, T, H, N, **f) for _ in range(5))
+        dr, dw, dk, da, db = (empty(B, T, H, N) for _ in range(5))
         _bwd_intra_kernel[(NC, B * H, triton.cdiv(N, BKC))](
             w, a, b, k, r, v, dy, U, dX, snaps, dsnaps, dr, dw, dk, da, db,
             T, H, NC, N, CHUNK, BK, BKC, DT, prec, W_MIN,
             num_warps=PAIRWISE_WARPS,
         )  # fmt: skip
-        dtype = r.dtype
-        return (*(g.to(dtype) for g in (dr, dw, dk, dv, da, db)), ds0.to(ctx.state_dtype))
+        return cast_back((dr, dw, dk, dv, da, db, ds0), (r.dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton_chunked(r, w, k, v, a, b, state):

@@ -10,17 +10,14 @@ block and summed by torch afterwards.
 
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32. This is the
-RWKV-LM-style design; a chunked (WY, tensor-core) Triton kernel is still to come.
+RWKV-LM-style design; the chunked (WY, tensor-core) form is chunked_triton.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import compute_dtype, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
-
-CHUNK = 16
-
+from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 if triton is not None:
 
@@ -37,25 +34,11 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        r,
-        w,
-        k,
-        v,
-        a,
-        b,
-        s0,
-        y,
-        s_out,
-        snaps,
-        T,
-        H,
-        N: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        DT: tl.constexpr,
-    ):
+        r, w, k, v, a, b, s0,
+        y, s_out, snaps,
+        T, H,
+        N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         bi = bh // H
@@ -80,35 +63,12 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        r,
-        w,
-        k,
-        v,
-        a,
-        b,
-        snaps,
-        dy,
-        ds_out,
-        scratch,
-        scratch_sa,
-        dv,
-        ds0,
-        dr_p,
-        dw_p,
-        dk_p,
-        da_p,
-        db_p,
-        T,
-        H,
-        PSTRIDE,
-        N: tl.constexpr,
-        BK: tl.constexpr,
-        BV: tl.constexpr,
-        CHUNK: tl.constexpr,
-        NC,
-        NV,
-        DT: tl.constexpr,
-    ):
+        r, w, k, v, a, b, snaps, dy, ds_out,
+        scratch, scratch_sa,
+        dv, ds0, dr_p, dw_p, dk_p, da_p, db_p,
+        T, H, PSTRIDE,
+        N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, NV, DT: tl.constexpr,
+    ):  # fmt: skip
         bh = tl.program_id(0)
         iv = tl.program_id(1)
         bi = bh // H
@@ -168,9 +128,7 @@ class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
-        ins = [x.detach().contiguous() for x in (r, w, k, v, a, b)]
-        cdt, DT = compute_dtype(r.dtype)
-        s0 = state.detach().to(cdt).contiguous()
+        ins, (s0,), _, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
         BK, BV, NV = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[0])
@@ -187,37 +145,20 @@ class _WKV7Triton(torch.autograd.Function):
         B, T, H, N = ins[0].shape
         BK, BV, NV = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)
-        cdt, DT = compute_dtype(ins[0].dtype)
-        f32 = dict(dtype=cdt, device=dy.device)
-        scratch = torch.empty(B * H * NV * CHUNK * BV * BK, **f32)
-        scratch_sa = torch.empty(B * H * NV * CHUNK * BV, **f32)
-        dv = torch.empty(B, T, H, N, **f32)
-        ds0 = torch.empty(B, H, N, N, **f32)
-        partials = [torch.empty(NV, B, T, H, N, **f32) for _ in range(5)]  # dr, dw, dk, da, db
+        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), ins[0].dtype)
+        empty = compute_empty(cdt, dy.device)
+        scratch = empty(B * H * NV * CHUNK * BV * BK)
+        scratch_sa = empty(B * H * NV * CHUNK * BV)
+        dv = empty(B, T, H, N)
+        ds0 = empty(B, H, N, N)
+        partials = [empty(NV, B, T, H, N) for _ in range(5)]  # dr, dw, dk, da, db
         _bwd_kernel[(B * H, NV)](
-            *ins,
-            snaps,
-            dy.contiguous(),
-            ds_out.to(cdt).contiguous(),
-            scratch,
-            scratch_sa,
-            dv,
-            ds0,
-            *partials,
-            T,
-            H,
-            B * T * H * N,
-            N,
-            BK,
-            BV,
-            CHUNK,
-            NC,
-            NV,
-            DT,
-        )
+            *ins, snaps, dy, ds_out, scratch, scratch_sa, dv, ds0, *partials,
+            T, H, B * T * H * N, N, BK, BV, CHUNK, NC, NV, DT,
+        )  # fmt: skip
         dr, dw, dk, da, db = (p.sum(0) for p in partials)
         dtype = ins[0].dtype
-        return (*(g.to(dtype) for g in (dr, dw, dk, dv, da, db)), ds0.to(ctx.state_dtype))
+        return cast_back((dr, dw, dk, dv, da, db, ds0), (dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton(r, w, k, v, a, b, state):

@@ -1,0 +1,53 @@
+"""The rows most backend tables share (see docs/operators.md#backends), so an op's
+spec lists each backend once, in the order "auto" tries them: fastest first."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from rwkvx_cli.ops.registry import Backend
+
+ORACLE = "plain sequential torch, autograd backward (the fp64 oracle)"
+
+
+def standard_backends(
+    *,
+    cpu: Callable,
+    cpu_summary: str,
+    cpu_unavailable: Callable[[], str | None],
+    triton: Callable,
+    triton_summary: str,
+    triton_unavailable: Callable[[], str | None],
+    chunked: Callable,
+    chunked_summary: str,
+    reference: Callable,
+) -> dict[str, Backend]:
+    """The table of an op with a fused C++ kernel, fused Triton kernels, a pure-torch
+    chunked form and a plain reference: cpu, triton, chunked, reference."""
+    return backend_table(
+        cpu_backend(cpu, cpu_summary, cpu_unavailable),
+        triton_backend("triton", triton, triton_summary, triton_unavailable),
+        Backend("chunked", chunked, chunked_summary),
+        reference_backend(reference),
+    )
+
+
+def backend_table(*backends: Backend) -> dict[str, Backend]:
+    """Backends by name, in the order given."""
+    return {bk.name: bk for bk in backends}
+
+
+def cpu_backend(fn: Callable, summary: str, unavailable: Callable[[], str | None]) -> Backend:
+    """A fused C++ kernel: CPU tensors only, where it builds."""
+    return Backend("cpu", fn, summary, devices=("cpu",), unavailable=unavailable)
+
+
+def triton_backend(name: str, fn: Callable, summary: str, unavailable: Callable[[], str | None]) -> Backend:
+    """Triton kernels: "auto" picks them on CUDA only; on CPU tensors they run under
+    Triton's interpreter (the tests), far slower than the cpu backend."""
+    return Backend(name, fn, summary, auto_devices=("cuda",), unavailable=unavailable)
+
+
+def reference_backend(fn: Callable, summary: str = ORACLE) -> Backend:
+    """The op's oracle: gradcheck's gate A compares against it; never picked by "auto"."""
+    return Backend("reference", fn, summary, production=False)
