@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test lint gradcheck bench demo demo-rwkvx clean
+.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test clean
 
 install: $(STAMP)
 
@@ -50,6 +50,14 @@ gradcheck: $(STAMP)
 # The standard CPU benchmark set (every op at its default shapes, fwd+bwd, fp32).
 bench: $(STAMP)
 	$(BIN)/rwkvx bench --json bench/cpu.json
+
+# Compile every Triton kernel ahead of time for sm_80 and sm_90 (no GPU needed) and print
+# shared memory, registers and spills per kernel; the -test variant asserts the limits (CI).
+gpu-compile: $(TEST_STAMP)
+	$(BIN)/python -m rwkvx_cli.ops.compile_gate
+
+gpu-compile-test: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m gpu_compile tests/ops/test_compile_gate.py
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -1,0 +1,302 @@
+"""Compile every Triton kernel for real GPUs, without a GPU.
+
+Two steps, each in its own process because Triton's interpreter and its compiler
+cannot share one import of the kernel modules:
+
+1. `record_launches()` (under TRITON_INTERPRET=1) runs the forward and backward
+   of every Triton backend of every registered op on CPU tensors, at the
+   production head sizes and dtypes, and records each distinct kernel launch:
+   the kernel, the type of every argument, the compile-time constants, the
+   launch options. Nothing is written per kernel by hand: a new kernel is
+   covered as soon as a backend launches it.
+2. `compile_launch()` (without the interpreter) compiles one recorded launch
+   ahead of time for a target such as sm_90 (`triton.compile` with
+   `GPUTarget`), and reads the shared memory from its metadata and the
+   registers and spill bytes from `ptxas -v` on its PTX (the `ptxas` shipped in
+   the triton wheel).
+
+`python -m rwkvx_cli.ops.compile_gate` prints the table (kernel, target, N,
+dtype, shared KiB, registers, spill bytes); the test suite asserts the limits.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import inspect
+import io
+import json
+import os
+import re
+import subprocess
+import sys
+from concurrent.futures import ProcessPoolExecutor
+from dataclasses import asdict, dataclass
+
+# Shared memory a block may use (the opt-in maximum per block).
+SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
+TARGETS = (80, 90)
+HEAD_SIZES = (64, 128)
+DTYPES = ("fp32", "bf16")
+
+# Spill bytes (stores + loads per thread) a kernel may have; 0 unless listed. Measured exceptions
+# are listed by (module tail, kernel, N), to be driven to 0.
+SPILL_BUDGETS: dict[tuple[str, str, int], int] = {}
+
+
+def spill_budget(launch: Launch) -> int:
+    n = launch.constants.get("N", launch.constants.get("BL", launch.constants.get("BC")))
+    return SPILL_BUDGETS.get((launch.module.split(".")[-2], launch.kernel, n), 0)
+
+
+_TORCH_TO_TRITON = {
+    "torch.float32": "fp32",
+    "torch.bfloat16": "bf16",
+    "torch.float16": "fp16",
+    "torch.float64": "fp64",
+    "torch.int32": "i32",
+    "torch.int64": "i64",
+    "torch.uint8": "u8",
+    "torch.bool": "i1",
+}
+
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as the compiler needs it. `constants` holds the constexpr values
+    (a Triton dtype as {"dtype": name}); `origin` says which op, backend, N and dtype made it."""
+
+    module: str
+    kernel: str
+    signature: dict[str, str]
+    constants: dict[str, object]
+    num_warps: int
+    num_stages: int
+    origin: str
+
+    def key(self) -> str:
+        return json.dumps([self.module, self.kernel, self.signature, self.constants, self.num_warps], sort_keys=True)
+
+
+@dataclass
+class Compiled:
+    launch: Launch
+    target: int
+    ok: bool
+    error: str = ""
+    shared_bytes: int = 0
+    registers: int = 0
+    spill_stores: int = 0
+    spill_loads: int = 0
+
+
+# -- 1. recording (TRITON_INTERPRET=1) ----------------------------------------------------------
+
+
+def _is_constexpr(param: inspect.Parameter) -> bool:
+    ann = param.annotation
+    return "constexpr" in (ann if isinstance(ann, str) else getattr(ann, "__name__", repr(ann)))
+
+
+def _arg_type(value) -> str:
+    import torch
+
+    if isinstance(value, torch.Tensor):
+        return "*" + _TORCH_TO_TRITON[str(value.dtype)]
+    if isinstance(value, bool):
+        return "i1"
+    if isinstance(value, int):
+        return "i32" if -(2**31) <= value < 2**31 else "i64"
+    if isinstance(value, float):
+        return "fp32"
+    raise TypeError(f"cannot type a kernel argument of {type(value).__name__}")
+
+
+def _constant(value):
+    if value is None or isinstance(value, (bool, int, float, str)):
+        return value
+    name = getattr(value, "name", None) or str(value)  # a triton dtype, e.g. tl.float32
+    return {"dtype": name}
+
+
+def _recorder(seen: dict[str, Launch], origin: list[str]):
+    from triton.runtime.interpreter import InterpretedFunction
+
+    original = InterpretedFunction.run
+
+    def run(self, *args, grid, warmup, **kwargs):
+        params = list(inspect.signature(self.fn).parameters.values())
+        options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+        bound = dict(zip([p.name for p in params], args, strict=False))
+        bound.update(kwargs)
+        signature, constants = {}, {}
+        for p in params:
+            value = bound.get(p.name, p.default)
+            if _is_constexpr(p) or value is None:
+                signature[p.name] = "constexpr"
+                constants[p.name] = _constant(value)
+            else:
+                signature[p.name] = _arg_type(value)
+        launch = Launch(
+            self.fn.__module__,
+            self.fn.__name__,
+            signature,
+            constants,
+            options.get("num_warps", 4),
+            options.get("num_stages", 3),
+            origin[0],
+        )
+        seen.setdefault(launch.key(), launch)
+        return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+
+    return original, run
+
+
+def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[Launch]:
+    """Every distinct launch of every Triton backend's forward and backward at these head sizes
+    and input dtypes (B = H = 1 and a short T: the constants depend on N and the dtype only).
+    Must run with TRITON_INTERPRET=1 set before triton is imported."""
+    import torch
+    from triton.runtime.interpreter import InterpretedFunction
+
+    from rwkvx_cli.ops import get_op, op_names
+
+    seen: dict[str, Launch] = {}
+    origin = [""]
+    original, patched = _recorder(seen, origin)
+    InterpretedFunction.run = patched
+    try:
+        for name in op_names():
+            spec = get_op(name)
+            for bk in spec.backends.values():
+                if "triton" not in bk.name or not bk.production or bk.unavailable() is not None:
+                    continue
+                for N in head_sizes:
+                    for dt in dtypes:
+                        origin[0] = f"{name}/{bk.name} N={N} {dt}"
+                        _run_backend(spec, bk, N, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt])
+    finally:
+        InterpretedFunction.run = original
+    return list(seen.values())
+
+
+def _run_backend(spec, bk, N: int, T: int, dtype) -> None:
+    import torch
+
+    from rwkvx_cli.ops.registry import Case
+
+    base = spec.fd_case
+    dims = {**base.dims, "B": 1, "H": 1, "T": T, "N": N}
+    case = Case(f"compile_gate_N{N}", dims, True, dict(base.options))
+    tensors = spec.sample(case, torch.Generator().manual_seed(0))
+    inputs = {
+        k: (v.to(dtype) if k in spec.inputs else v.float()).requires_grad_(v.is_floating_point())
+        for k, v in tensors.items()
+    }
+    y, states = spec.call(bk, inputs, case)
+    loss = y.float().square().sum() + sum(s.float().square().sum() for s in states)
+    loss.backward()
+
+
+# -- 2. compiling (no interpreter) --------------------------------------------------------------
+
+
+def _resolve_constant(value):
+    import triton.language as tl
+
+    if isinstance(value, dict) and "dtype" in value:
+        return getattr(tl, {"fp32": "float32", "fp64": "float64", "bf16": "bfloat16", "fp16": "float16"}.get(
+            value["dtype"], value["dtype"]))
+    return value
+
+
+def compile_launch(launch: Launch, target: int) -> Compiled:
+    """Compile one launch for sm_<target>; never raises (a failure is the result). Registers and
+    spills come from the `ptxas -v` log of Triton's own ptxas run (same flags as a real launch)."""
+    os.environ["TRITON_DUMP_PTXAS_LOG"] = "1"
+    os.environ["TRITON_ALWAYS_COMPILE"] = "1"  # a cached kernel would skip ptxas and its log
+    os.environ.setdefault("TRITON_DEFAULT_FP_FUSION", "1")  # today's default, stated (silences a warning)
+    log = io.StringIO()
+    try:
+        import triton
+        from triton.backends.compiler import GPUTarget
+        from triton.compiler import ASTSource
+
+        kernel = getattr(importlib.import_module(launch.module), launch.kernel)
+        constants = {k: _resolve_constant(v) for k, v in launch.constants.items()}
+        src = ASTSource(fn=kernel, signature=launch.signature, constexprs=constants)
+        options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
+        with contextlib.redirect_stdout(log):
+            compiled = triton.compile(src, target=GPUTarget("cuda", target, 32), options=options)
+        result = Compiled(launch, target, True, shared_bytes=int(compiled.metadata.shared))
+    except Exception as e:  # noqa: BLE001 - report any compiler failure as the gate's finding
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        return Compiled(launch, target, False, error=f"{type(e).__name__}: {first[:300]}")
+    text = log.getvalue()
+    regs = re.search(r"Used (\d+) registers", text)
+    spills = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", text)
+    if regs is None:
+        return Compiled(launch, target, False, error="no ptxas -v log (registers unknown)")
+    result.registers = int(regs.group(1))
+    if spills:
+        result.spill_stores, result.spill_loads = int(spills.group(1)), int(spills.group(2))
+    return result
+
+
+def _compile_job(args) -> dict:
+    launch, target = args
+    return asdict(compile_launch(Launch(**launch), target))
+
+
+def compile_all(launches: list[Launch], targets=TARGETS, workers: int | None = None) -> list[Compiled]:
+    """Every launch for every target, in parallel processes."""
+    jobs = [(asdict(launch), t) for launch in launches for t in targets]
+    workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
+    with ProcessPoolExecutor(max_workers=workers) as pool:
+        rows = list(pool.map(_compile_job, jobs))
+    return [Compiled(**{**r, "launch": Launch(**r["launch"])}) for r in rows]
+
+
+def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES) -> list[Launch]:
+    """Run `record_launches` in a child process with the interpreter on."""
+    code = (
+        "import json, sys; from dataclasses import asdict; "
+        "from rwkvx_cli.ops.compile_gate import record_launches; "
+        f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r})]))"
+    )
+    env = {**os.environ, "TRITON_INTERPRET": "1"}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    if proc.returncode != 0:
+        raise RuntimeError(f"recording the launches failed: {proc.stderr.strip()[-2000:]}")
+    return [Launch(**x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+
+def main() -> int:
+    from rich.console import Console
+    from rich.table import Table
+
+    launches = record_in_subprocess()
+    results = compile_all(launches)
+    table = Table(title=f"Triton kernels compiled ahead of time ({len(launches)} launches x {len(TARGETS)} targets)")
+    for col in ("kernel", "origin", "target", "warps", "shared KiB", "registers", "spill st/ld B", "result"):
+        table.add_column(col)
+    failed = 0
+    for r in sorted(results, key=lambda r: (r.launch.module, r.launch.kernel, r.launch.origin, r.target)):
+        over = r.ok and r.shared_bytes > SHARED_LIMIT[r.target]
+        failed += (not r.ok) or over
+        table.add_row(
+            f"{r.launch.module.split('.')[-2]}.{r.launch.kernel}",
+            r.launch.origin,
+            f"sm_{r.target}",
+            str(r.launch.num_warps),
+            f"{r.shared_bytes / 1024:.1f}",
+            str(r.registers),
+            f"{r.spill_stores}/{r.spill_loads}",
+            "ok" if r.ok and not over else ("over shared" if over else r.error),
+        )
+    Console(width=200).print(table)
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

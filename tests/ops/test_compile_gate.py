@@ -1,0 +1,59 @@
+"""The GPU compile gate: every Triton kernel of every op, forward and backward, compiled ahead of
+time for sm_80 and sm_90 at the production head sizes (64, 128) and input dtypes (fp32, bf16),
+without a GPU. Each must compile, fit the target's shared memory and stay within its spill budget.
+
+Marked `gpu_compile`: about 100 compile jobs, run by `.ci/run` (`make gpu-compile-test`) after the
+main suite rather than inside its time budget."""
+
+import pytest
+
+triton = pytest.importorskip("triton")
+
+from rwkvx_cli.ops.compile_gate import (  # noqa: E402
+    SHARED_LIMIT,
+    TARGETS,
+    Launch,
+    compile_all,
+    compile_launch,
+    record_in_subprocess,
+    spill_budget,
+)
+
+pytestmark = pytest.mark.gpu_compile
+
+
+@pytest.fixture(scope="module")
+def launches():
+    return record_in_subprocess()
+
+
+def test_every_triton_backend_is_recorded(launches):
+    from rwkvx_cli.ops import get_op, op_names
+
+    origins = {launch.origin.split(" ")[0] for launch in launches}
+    for name in op_names():
+        for bk in get_op(name).backends.values():
+            if "triton" in bk.name and bk.production:
+                assert f"{name}/{bk.name}" in origins
+    assert {launch.constants.get("N") for launch in launches if "N" in launch.constants} >= {64, 128}
+
+
+def test_every_kernel_compiles_fits_and_keeps_its_spill_budget(launches):
+    results = compile_all(launches, TARGETS, workers=2)
+    assert len(results) == len(launches) * len(TARGETS)
+    problems = []
+    for r in results:
+        where = f"{r.launch.module}.{r.launch.kernel} [{r.launch.origin}] sm_{r.target}"
+        if not r.ok:
+            problems.append(f"{where}: {r.error}")
+        elif r.shared_bytes > SHARED_LIMIT[r.target]:
+            problems.append(f"{where}: {r.shared_bytes} B shared > {SHARED_LIMIT[r.target]}")
+        elif r.spill_stores + r.spill_loads > spill_budget(r.launch):
+            problems.append(f"{where}: spills {r.spill_stores}+{r.spill_loads} B > budget {spill_budget(r.launch)}")
+    assert not problems, "\n".join(problems)
+
+
+def test_a_broken_kernel_is_reported_not_raised():
+    bad = Launch("rwkvx_cli.ops.wkv4.fused_triton", "_fwd_kernel", {"nope": "i32"}, {}, 4, 3, "planted")
+    r = compile_launch(bad, 90)
+    assert not r.ok and r.error
