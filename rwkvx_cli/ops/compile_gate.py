@@ -39,13 +39,27 @@ TARGETS = (80, 90)
 HEAD_SIZES = (64, 128)
 DTYPES = ("fp32", "bf16")
 
-# Spill bytes (stores + loads per thread) a kernel may have; 0 unless listed. Measured exceptions
-# are listed by (module tail, kernel, N), to be driven to 0.
-SPILL_BUDGETS: dict[tuple[str, str, int], int] = {}
+# Spill bytes (stores + loads per thread, worst of sm_80/sm_90 and fp32/bf16) a kernel may have at
+# head size N; 0 unless listed. The listed ones are today's measurements (triton 3.9) plus 10%: a
+# regression fails the gate, and each entry is work to drive to 0 (the chunked wkv7 backward at
+# N = 128 above all).
+SPILL_BUDGETS: dict[tuple[str, str, int], int] = {
+    ("delta", "_bwd_kernel", 128): 950,
+    ("rwkv8", "_bwd_kernel", 64): 40,
+    ("rwkv8", "_bwd_kernel", 128): 30,
+    ("wkv7", "_bwd_kernel", 128): 300,
+    ("wkv7", "_intra_kernel", 64): 430,
+    ("wkv7", "_intra_kernel", 128): 1570,
+    ("wkv7", "_fwd_state_kernel", 128): 1560,
+    ("wkv7", "_bwd_state_kernel", 64): 1280,
+    ("wkv7", "_bwd_state_kernel", 128): 21400,
+    ("wkv7", "_bwd_intra_kernel", 64): 3840,
+    ("wkv7", "_bwd_intra_kernel", 128): 78700,
+}
 
 
 def spill_budget(launch: Launch) -> int:
-    n = launch.constants.get("N", launch.constants.get("BL", launch.constants.get("BC")))
+    n = int(re.search(r"N=(\d+)", launch.origin).group(1))
     return SPILL_BUDGETS.get((launch.module.split(".")[-2], launch.kernel, n), 0)
 
 
