@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import functools
 import json
+import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -43,11 +44,29 @@ def reports_errors(fn):
         except RwkvxError as e:
             err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
+        except _Terminated:  # SIGTERM outside training's graceful stop (start-up)
+            err.print("[bold red]terminated[/]")
+            raise typer.Exit(143) from None
         except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
             err.print("[bold red]interrupted[/]")
             raise typer.Exit(130) from None
+        except MemoryError:
+            err.print("[bold red]error:[/] out of memory; make the model, batch or shape smaller", soft_wrap=True)
+            raise typer.Exit(1) from None
+        except OSError as e:  # a full disk, a file-size limit, a read-only or vanished path
+            where = f"{e.filename}: " if e.filename else ""
+            err.print(f"[bold red]error:[/] {where}{e.strerror or e}", soft_wrap=True, markup=False)
+            raise typer.Exit(1) from None
 
     return wrapper
+
+
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that the command unwinds and says so."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise _Terminated
 
 
 def _version(value: bool) -> None:
@@ -73,7 +92,7 @@ def gradcheck(
         list[str] | None,
         typer.Option("--backend", help="Backend to check; repeatable. Default: every production backend."),
     ] = None,
-    seed: Annotated[int, typer.Option(help="Seed of the sampled inputs and cotangents.")] = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**53, help="Seed of the sampled inputs and cotangents.")] = 0,
     size: Annotated[int, typer.Option(min=1, help="Multiply the sequence length of gate A's cases.")] = 1,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
 ) -> None:
@@ -87,6 +106,11 @@ def gradcheck(
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     chosen = [(spec, _gradcheck_backends(spec, backend)) for spec in specs]  # every usage error first
+    from rwkvx_cli.memcheck import check_op_shape
+
+    for spec in specs:  # fp64: at least three inputs and the output of each case
+        for case in spec.cases:
+            check_op_shape(case.scaled(size).dims, 8, 4, f"gradcheck {spec.name} --size {size} ({case.name})", "cpu")
     results = []
     for spec, backends in chosen:
         start = time.perf_counter()
@@ -178,12 +202,24 @@ def train(
 ) -> None:
     """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl.
     Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
+    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    signal.signal(signal.SIGTERM, _raise_terminated)  # start-up: unwind and say so (then GracefulStop's)
+    try:
+        _train(config, overrides, resume)
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def _train(config, overrides, resume) -> None:
     from rwkvx_cli.config import load_config
     from rwkvx_cli.train import distributed
     from rwkvx_cli.train.runner import run_training
 
     cfg = load_config(config, overrides or [])
     info = distributed.from_env()
+    if cfg.train.device == "cuda" and not _cuda_available():
+        raise UsageError("train.device=cuda: no CUDA device is available here")
     device = distributed.init(info, cfg.train.device)
     if not info.is_main:
         out.quiet = True  # rank 0 reports; errors (stderr) still come from every rank
@@ -198,6 +234,9 @@ def train(
                 on_skip=_warn_skipped,
                 data_progress=data_progress,
             )
+        if result.stopped:  # a second signal after the stop's checkpoint: nothing left to save
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                signal.signal(sig, signal.SIG_IGN)
         console.finish(result)
     finally:
         distributed.shutdown()
@@ -213,16 +252,20 @@ def eval_cmd(
     n_tokens: Annotated[int, typer.Option("--tokens", min=1, help="Tokens to generate.")] = 200,
     temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.85,
-    seed: int = 0,
+    seed: Annotated[int, typer.Option(min=0, max=2**63 - 1)] = 0,
 ) -> None:
     """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text."""
     from rwkvx_cli.config import config_from_dict
-    from rwkvx_cli.data import load_tokenizer, open_tokens
     from rwkvx_cli.models import LM
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
-    from rwkvx_cli.train.run import data_dir_for
+    from rwkvx_cli.train.run import check_same_tokenizer, open_data
 
+    if generate_prompt is not None:
+        try:
+            generate_prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--generate: the prompt is not valid UTF-8 text") from None
     path = ck.resolve_checkpoint(checkpoint, _warn_skipped)
     meta = ck.read_meta(path)
     cfg = config_from_dict(meta["config"])
@@ -230,10 +273,14 @@ def eval_cmd(
     ck.load_into(model, ck.load_weights(path), str(path))
     device = pick_device(cfg.train.device)
     model.to(device)
-    ddir = data_dir or data_dir_for(cfg, path.parent.parent)  # <run>/checkpoints/step_*: the run's rule
-    tokenizer = load_tokenizer(ddir / "tokenizer.json")
-    val = open_tokens(ddir / "val.bin")
-    val.check_vocab(cfg.model.vocab_size)
+    # <run>/checkpoints/step_*: the run's data (a prepared directory, data.binidx or data.mix), or --data's.
+    data = open_data(cfg, path.parent.parent, data_dir, check_train=False)
+    tokenizer, val = data.tokenizer, data.val
+    check_same_tokenizer(path.parent.parent, data.data_dir)  # figures on other tokens would be wrong
+    if (data.data_dir / "meta.json").is_file() and (data_dir is not None or not (cfg.data.binidx or cfg.data.mix)):
+        from rwkvx_cli.data.prepare import read_prepared_meta
+
+        read_prepared_meta(data.data_dir, tokenizer.vocab_size)
     start = time.perf_counter()
     t = cfg.train
     ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, tokenizer)
@@ -258,16 +305,45 @@ def eval_cmd(
 
 @app.command()
 @reports_errors
+def explain(
+    checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")],
+    text: Annotated[str, typer.Option("--text", help="The input text; its last token's prediction is explained.")],
+    target: Annotated[
+        str, typer.Option("--target", help="The token whose logit to explain (one token), or 'next': the top one.")
+    ] = "next",
+    per_layer: Annotated[bool, typer.Option("--per-layer", help="Also each block output's relevance.")] = False,
+    epsilon: Annotated[float, typer.Option("--epsilon", min=0.0, help="LRP-epsilon stabiliser (0: exact).")] = 0.0,
+    data_dir: Annotated[Path | None, typer.Option("--data", help="Dir of tokenizer.json (default: the run's).")] = None,
+    json_path: Annotated[Path | None, typer.Option("--json", help="Also write every number as JSON here.")] = None,
+    html_path: Annotated[Path | None, typer.Option("--html", help="Also write the text coloured by relevance.")] = None,
+    png_path: Annotated[Path | None, typer.Option("--png", help="Also write that picture as a PNG.")] = None,
+) -> None:
+    """Which input tokens made the model predict the next one: LRP for RWKV-4/RWKV-7 (docs/explain.md)."""
+    from rwkvx_cli.explain import explain_checkpoint
+    from rwkvx_cli.explain.render import relevance_table, write_html, write_json, write_png
+    from rwkvx_cli.render import print_wide
+
+    result = explain_checkpoint(checkpoint, text, target, per_layer, epsilon, data_dir, on_skip=_warn_skipped)
+    print_wide(relevance_table(result))
+    for path, write in ((json_path, write_json), (html_path, write_html), (png_path, write_png)):
+        if path is not None:
+            write(result, path)
+            out.print(f"wrote {path}")
+
+
+@app.command()
+@reports_errors
 def export(
     checkpoint: Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")],
     out_path: Annotated[Path, typer.Option("--out", help="Output file, e.g. model.pth.")],
     fmt: Annotated[str, typer.Option("--format", help="rwkv-lm (.pth state dict) or safetensors.")] = "rwkv-lm",
     dtype: Annotated[str, typer.Option(help="fp32, bf16 or fp16.")] = "fp32",
+    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
 ) -> None:
     """Write a checkpoint as RWKV-LM's state dict (.pth, tensors only) or as safetensors."""
     from rwkvx_cli.train.export import export_checkpoint
 
-    info = export_checkpoint(checkpoint, out_path, fmt, dtype, on_skip=_warn_skipped)
+    info = export_checkpoint(checkpoint, out_path, fmt, dtype, on_skip=_warn_skipped, force=force)
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})")
 
 
@@ -300,12 +376,16 @@ def bench(
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
+    import torch
+
     from rwkvx_cli.bench import DTYPES, run_bench
     from rwkvx_cli.ops import get_op, op_names
     from rwkvx_cli.train.loop import pick_device
 
     if device not in ("auto", "cpu", "cuda"):
         raise UsageError(f"--device {device!r}: valid are auto, cpu, cuda")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise UsageError("--device cuda: no CUDA device is available here")
     dev = pick_device(device)
     if model is not None:
         from rwkvx_cli.bench_model import bench_model
@@ -325,10 +405,17 @@ def bench(
     except KeyError as e:
         raise UsageError(e.args[0]) from None
     for spec in specs:
-        for name in backend or []:
+        for name in [*(backend or []), baseline]:
             if name not in spec.backends:
-                raise UsageError(f"unknown backend {name!r} for {spec.name}; valid: {', '.join(spec.backends)}")
+                flag = "--baseline: " if name == baseline else ""
+                raise UsageError(f"{flag}unknown backend {name!r} for {spec.name}; valid: {', '.join(spec.backends)}")
     shapes = [_parse_shape(s) for s in shape] if shape else None
+    from rwkvx_cli.memcheck import check_op_shape
+
+    for spec in specs:  # at least three inputs and the output (gradients and workspaces come on top)
+        for dims in shapes or spec.bench_shapes:
+            label = ",".join(str(dims[k]) for k in "BTHN")
+            check_op_shape(dims, DTYPES[dtype].itemsize, 4, f"bench {spec.name} --shape {label}", dev)
     with err.status("bench") as status:
         report = run_bench(specs, backend, shapes, dtype, modes, baseline, dev, on_row=status.update)
     render_bench(report, baseline)
@@ -353,14 +440,27 @@ app.add_typer(data_app, name="data")
 @data_app.command("prepare")
 @reports_errors
 def data_prepare(
-    inputs: Annotated[list[Path], typer.Argument(help='Text (.txt) or JSONL ({"text": ...}) files.')],
+    inputs: Annotated[
+        list[str],
+        typer.Argument(
+            help="Files, directories or glob patterns: .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet.",
+            show_default=False,
+        ),
+    ],
     out_dir: Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")],
-    tokenizer: Annotated[str, typer.Option(help="byte, bpe, or a tokenizer.json path.")] = "byte",
+    tokenizer: Annotated[str, typer.Option(help="byte, bpe, world, or a tokenizer.json path.")] = "byte",
     vocab_size: Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")] = None,
     val_fraction: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.05,
     seed: int = 0,
+    text_field: Annotated[str, typer.Option(help="The document text's field in JSONL records and parquet.")] = "text",
+    skip_bad: Annotated[
+        bool, typer.Option("--skip-bad", help="Skip (and count) bad records instead of stopping at the first.")
+    ] = False,
+    eod_id: Annotated[
+        int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")
+    ] = None,
 ) -> None:
-    """Tokenize text/JSONL into RWKV-LM binidx (.bin + .idx) with a validation split."""
+    """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split."""
     from rwkvx_cli.data import prepare
 
     with data_progress() as update:
@@ -372,8 +472,22 @@ def data_prepare(
             val_fraction=val_fraction,
             seed=seed,
             progress=update,
+            eod_id=eod_id,
+            text_field=text_field,
+            skip_bad=skip_bad,
         )
-    out.print(prepared_line(stats))
+    out.print(prepared_line(stats), soft_wrap=True)
+    if stats.skipped_records:
+        from rich.markup import escape
+
+        first = escape(str(stats.first_skipped))
+        err.print(f"[yellow]warning:[/] skipped {stats.skipped_records:,} bad records (first: {first})", soft_wrap=True)
+
+
+def _cuda_available() -> bool:
+    import torch
+
+    return torch.cuda.is_available()
 
 
 def _one_line_warning(message, category, filename, lineno, file=None, line=None):
@@ -384,4 +498,11 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
-    app()
+    if hasattr(signal, "SIGXFSZ"):  # past a file-size limit a write fails (EFBIG, one line) instead of killing us
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_terminated)  # like Ctrl-C: unwind, clean up, say so (exit 143)
+    try:
+        app()
+    except _Terminated:  # before a command's own handler (reports_errors) is reached
+        err.print("[bold red]terminated[/]")
+        raise SystemExit(143) from None

@@ -22,6 +22,33 @@ class ConfigError(UsageError):
     """A bad configuration (exit code 2)."""
 
 
+# Seeds feed torch.manual_seed and numpy generators: a signed 64-bit range keeps every one valid.
+MAX_SEED = 2**63 - 1
+
+
+class _UniqueKeyLoader(yaml.SafeLoader):
+    """safe_load that refuses a key written twice in one mapping (YAML's last-wins hides typos)."""
+
+
+def _unique_mapping(loader, node, deep=False):
+    seen = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        try:
+            duplicate = key in seen
+        except TypeError:  # an unhashable key: let the base constructor report it
+            break
+        if duplicate:
+            raise yaml.constructor.ConstructorError(
+                None, None, f"duplicate key {key!r}", key_node.start_mark
+            )
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
+
+
 # Block kinds a layer pattern may use: the time mix of each (the channel mix is RWKV's).
 LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
 
@@ -61,14 +88,33 @@ def expand_layers(spec: list[str]) -> list[str]:
 
 
 @dataclass
+class MixSource:
+    # A prepared directory (with meta.json: its train split) or a bare binidx prefix (all of it).
+    path: str = ""
+    weight: float = 1.0
+
+
+@dataclass
 class DataConfig:
-    # Text/JSONL files to prepare, or a directory already holding train.bin/idx.
+    # Files, directories or globs to prepare (.txt, .jsonl, .jsonl.gz/.zst, .parquet), or one
+    # directory already prepared (holding meta.json).
     corpus: list[str] = field(default_factory=lambda: ["data/tinyshakespeare.txt"])
-    tokenizer: str = "byte"  # "byte", "bpe", or a path to a tokenizer.json
+    tokenizer: str = "byte"  # "byte", "bpe", "world", or a path to a tokenizer.json
+    # The end-of-document id of a HuggingFace tokenizer.json (GPT-NeoX 20B's <|endoftext|> is 0).
+    eod_id: int = 0
     bpe_vocab_size: int = 2048
     val_fraction: float = 0.05
     # Where prepared tokens go; "" = <run dir>/data.
     prepared_dir: str = ""
+    # Train on a bare binidx prefix as is (RWKV-LM's make_data.py output), instead of data.corpus;
+    # data.tokenizer names its tokenizer (for decoding). Validation: a second prefix (val_binidx)
+    # or the prefix's last val_tokens tokens, held out.
+    binidx: str = ""
+    val_binidx: str = ""
+    val_tokens: int = 0
+    # Train on a weighted mixture of prepared directories and/or prefixes, instead of data.corpus
+    # (None: no mixture; an empty list is refused).
+    mix: list[MixSource] | None = None
 
 
 @dataclass
@@ -92,8 +138,20 @@ class TrainConfig:
     # Truncated BPTT: each batch row reads consecutive windows of one stream and the
     # recurrent state (WKV state and token shifts) carries over, detached, between steps.
     tbptt: bool = False
+    # Training windows: "epoch" visits every window once per epoch in a seeded order; "random"
+    # draws windows uniformly with replacement. (TBPTT reads consecutive streams; data.mix is per epoch.)
+    sampler: str = "epoch"
     device: str = "auto"  # auto, cpu, cuda
     compile: bool = False
+    # The loss head: "chunked" computes the head's matmul and cross-entropy in chunks of rows, so
+    # the [B, T, vocab] fp32 logits never exist whole; "full" materialises them (the plain path).
+    head: str = "chunked"
+    # RWKV-LM's L2Wrap (a small gradient on each position's largest logit): true, false, or null
+    # (the default) = on for stacks with RWKV-7 blocks, as RWKV-LM trains them.
+    l2wrap: bool | None = None
+    # Recompute each block's activations in the backward pass instead of keeping them (RWKV-LM's
+    # --grad_cp): less memory, about one more forward of compute.
+    grad_cp: bool = False
     # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards parameters,
     # gradients and optimizer state across ranks (FSDP2 `fully_shard`) for models that do not fit one device.
     distributed: str = "ddp"
@@ -146,6 +204,8 @@ class Config:
             (t.tokens >= 1, "train.tokens", "must be >= 1"),
             (t.lr > 0, "train.lr", "must be > 0"),
             (t.lr_final >= 0, "train.lr_final", "must be >= 0"),
+            (t.lr_final <= t.lr, "train.lr_final", f"{t.lr_final} is above train.lr ({t.lr}); the schedule decays"),
+            (0 <= t.seed <= MAX_SEED, "train.seed", f"must be between 0 and {MAX_SEED}"),
             (t.warmup_tokens >= 0, "train.warmup_tokens", "must be >= 0"),
             (t.weight_decay >= 0, "train.weight_decay", "must be >= 0"),
             (all(0 <= b < 1 for b in t.betas), "train.betas", "must be in [0, 1)"),
@@ -161,10 +221,54 @@ class Config:
             (t.nonfinite_limit >= 1, "train.nonfinite_limit", "must be >= 1"),
             (0 < d.val_fraction < 1, "data.val_fraction", "must be between 0 and 1"),
             (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
+            (t.sampler in ("epoch", "random"), "train.sampler", "must be epoch or random"),
+            (t.head in ("chunked", "full"), "train.head", "must be chunked or full"),
+            (d.eod_id >= 0, "data.eod_id", "must be >= 0"),
+            (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}: {why}")
+        self._validate_sources(written)
+
+    def _validate_sources(self, written: Collection[str]) -> None:
+        """data.corpus, data.binidx and data.mix are three ways to give the training data: one at a time."""
+        d, t = self.data, self.train
+        given = [k for k, on in (("data.binidx", bool(d.binidx)), ("data.mix", d.mix is not None)) if on]
+        if given and "data.corpus" in written and d.corpus != DataConfig().corpus:  # a saved config has the default
+            given.insert(0, "data.corpus")
+        if len(given) > 1:
+            raise ConfigError(f"{given[0]} and {given[1]} both give the training data; set one of them")
+        if "data.mix" in given:
+            if not d.mix:
+                raise ConfigError("data.mix: the mixture is empty; list at least one {path, weight}")
+            for i, src in enumerate(d.mix):
+                if not src.path:
+                    raise ConfigError(f"data.mix[{i}].path: must name a prepared directory or a binidx prefix")
+                if src.weight < 0:
+                    raise ConfigError(f"data.mix[{i}].weight: must be >= 0")
+            if sum(s.weight for s in d.mix) <= 0:
+                raise ConfigError("data.mix: every weight is 0; at least one source must have a weight above 0")
+            if t.tbptt:
+                raise ConfigError("train.tbptt: truncated BPTT reads one stream; it does not take data.mix")
+            if t.sampler != "epoch":
+                raise ConfigError("train.sampler: data.mix reads each source one pass per epoch; use epoch")
+        if d.val_binidx and d.val_tokens:
+            raise ConfigError("data.val_binidx and data.val_tokens both set the validation split; set one of them")
+        if d.binidx and not (d.val_binidx or d.val_tokens):
+            raise ConfigError(
+                "data.binidx: needs a validation split: data.val_binidx (a second prefix) or data.val_tokens "
+                "(the prefix's last N tokens, held out)"
+            )
+        if d.val_binidx and not (d.binidx or d.mix is not None):
+            raise ConfigError("data.val_binidx: validates data.binidx or data.mix; it needs one of them")
+        if d.val_tokens and not d.binidx:
+            raise ConfigError("data.val_tokens: holds out the end of data.binidx; it needs data.binidx")
+        if (d.binidx or d.mix is not None) and d.tokenizer == "bpe":
+            raise ConfigError(
+                "data.tokenizer: bpe is trained on a corpus; with data.binidx or data.mix name the tokenizer "
+                "(byte, world, or a tokenizer.json path)"
+            )
 
     @property
     def tokens_per_step(self) -> int:
@@ -195,7 +299,7 @@ def _coerce(value, tp, where: str):
     if origin in (list, tuple):
         if not isinstance(value, (list, tuple)):
             if origin is list and isinstance(value, str):
-                return [value]  # a single path where a list is expected
+                return _coerce([value], tp, where)  # a single path where a list is expected
             raise ConfigError(f"{where}: expected a list, got {value!r}")
         args = typing.get_args(tp)
         if origin is tuple:
@@ -281,11 +385,12 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
         except UnicodeDecodeError as e:
             raise ConfigError(f"{path}: not UTF-8 text (invalid byte at offset {e.start})") from None
         try:
-            data = yaml.safe_load(text) or {}
+            data = yaml.load(text, Loader=_UniqueKeyLoader) or {}  # noqa: S506 - a SafeLoader subclass
         except yaml.YAMLError as e:
             mark = getattr(e, "problem_mark", None)
             at = f" at line {mark.line + 1}" if mark else ""
-            raise ConfigError(f"{path}: invalid YAML{at}") from None
+            what = f" ({e.problem})" if str(getattr(e, "problem", "")).startswith("duplicate key") else ""
+            raise ConfigError(f"{path}: invalid YAML{at}{what}") from None
         except RecursionError:
             raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
         if not isinstance(data, dict):

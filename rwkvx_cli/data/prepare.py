@@ -26,7 +26,7 @@ from rwkvx_cli.data.corpus import Skipped, expand_inputs, iter_pieces
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.tokenizer import NAMES, Tokenizer, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import atomic_write_text, fsync_file
+from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
 
 META_FORMAT = "rwkvx-prepared"
 META_VERSION = 1
@@ -100,7 +100,7 @@ def prepare(
     if not inputs:
         raise UsageError("prepare needs at least one input file")
     inputs = expand_inputs(inputs)
-    out_dir = Path(out_dir)
+    out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
     sizes = [p.stat().st_size for p in inputs]
     total_bytes = sum(sizes)
     _check_val_fraction(val_fraction)
@@ -110,10 +110,11 @@ def prepare(
 
     t0 = time.perf_counter()
     tok, kind, source = _make_tokenizer(tokenizer_kind, inputs, vocab_size, eod_id, read_options)
+    tok.encode_arrays(["warm"])  # builds a lazy engine (World's vocab trie): load time, not tokenization speed
     tokenizer_seconds = time.perf_counter() - t0
     dtype = dtype_for_vocab(tok.vocab_size)
 
-    out_dir.mkdir(parents=True, exist_ok=True)
+    claim_dir(out_dir, DATA_MARKER)
     (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten directory
     _remove_stale_streams(out_dir)
     stream_path = out_dir / f".tokens.tmp{os.getpid()}"
@@ -140,6 +141,8 @@ def prepare(
         del stream  # release the map before the file goes
     finally:
         stream_path.unlink(missing_ok=True)
+        if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
+            (out_dir / DATA_MARKER).unlink()
 
     tok.save(out_dir / "tokenizer.json")
     stats = PrepareStats(
@@ -186,6 +189,57 @@ def prepare(
     # Written last: a directory with meta.json is complete.
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
     return stats
+
+
+def _prepared_here(out_dir: Path) -> bool:
+    """A directory prepared by an rwkvx older than the marker file: its meta.json is ours, or it
+    holds the token stream of a prepare that was killed."""
+    if any(out_dir.glob(".tokens.tmp*")):
+        return True
+    try:
+        meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return False
+    return isinstance(meta, dict) and meta.get("format") == META_FORMAT
+
+
+def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> dict:
+    """A prepared directory's meta.json, checked against what the directory holds: a damaged or
+    edited one (not JSON, wrong fields, a vocab_size or dtype the files or the tokenizer's
+    `tokenizer_vocab` disagree with) is a DataError."""
+    from rwkvx_cli.data.binidx import open_tokens
+
+    path = Path(data_dir) / "meta.json"
+    try:
+        meta = json.loads(path.read_text(encoding="utf-8"))
+    except OSError as e:
+        raise DataError(f"{path} cannot be read: {e.strerror}") from None
+    except ValueError:
+        raise DataError(f"{path} is not valid JSON (damaged?); prepare the data again") from None
+    if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
+        raise DataError(f"{path} is not an rwkvx prepared-data description; prepare the data again")
+    vocab, dtype = meta.get("vocab_size"), meta.get("dtype")
+    if not isinstance(vocab, int) or isinstance(vocab, bool) or vocab < 2:
+        raise DataError(f"{path}: vocab_size {vocab!r} is not a vocabulary size")
+    if dtype != dtype_for_vocab(vocab).name:
+        raise DataError(f"{path}: dtype {dtype!r} does not fit vocab_size {vocab} ({dtype_for_vocab(vocab).name})")
+    if tokenizer_vocab is not None and tokenizer_vocab != vocab:
+        raise DataError(f"{path} says vocab_size {vocab}, its tokenizer.json has {tokenizer_vocab} (edited?)")
+    for split in ("train", "val"):
+        info = meta.get(split)
+        tokens = info.get("tokens") if isinstance(info, dict) else None
+        if not isinstance(tokens, int) or isinstance(tokens, bool) or tokens < 0:
+            raise DataError(f"{path}: {split!r} does not give its token count")
+        try:
+            opened = open_tokens(Path(data_dir) / f"{split}.bin")
+        except (DataError, OSError, ValueError) as e:
+            raise DataError(f"{Path(data_dir) / split}.bin: {e}") from None
+        if opened.dtype != np.dtype(dtype) or len(opened) != tokens:
+            raise DataError(
+                f"{path} says {split} holds {tokens} {dtype} tokens; the file holds {len(opened)} {opened.dtype} "
+                "(edited or damaged?); prepare the data again"
+            )
+    return meta
 
 
 def _remove_stale_streams(out_dir: Path) -> None:

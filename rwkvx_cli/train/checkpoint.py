@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import warnings
 from collections.abc import Callable
@@ -79,6 +80,27 @@ def save_checkpoint(
 ) -> Path:
     """`weights`: a module or its state_dict; `optimizer`: an optimizer, its state_dict, or None.
     `extra`: more tensors to keep (e.g. the TBPTT carry), written to extra.safetensors."""
+    try:
+        return _save(ckpt_root, step, weights, optimizer, meta, keep_last, extra)
+    except (OSError, SafetensorError) as e:  # a full disk, a file-size limit, a read-only directory
+        shutil.rmtree(ckpt_root / f".tmp-step_{step:08d}", ignore_errors=True)
+        raise CheckpointError(
+            f"cannot write the checkpoint of step {step} in {ckpt_root}: {io_reason(e)}; "
+            "the earlier checkpoints are intact"
+        ) from None
+
+
+def io_reason(e: Exception) -> str:
+    """An I/O failure in a few words: OSError's strerror, or the OS message inside a SafetensorError."""
+    if isinstance(e, OSError) and e.strerror:
+        return e.strerror
+    found = re.search(r'message: "([^"]+)"|I/O error: (.+?) \(os error', str(e))
+    if found:
+        return found.group(1) or found.group(2)
+    return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+
+
+def _save(ckpt_root: Path, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None) -> Path:
     ckpt_root.mkdir(parents=True, exist_ok=True)
     for stale in ckpt_root.glob(".tmp-step_*"):  # left by a crash mid-write
         shutil.rmtree(stale, ignore_errors=True)
@@ -103,8 +125,11 @@ def save_checkpoint(
     meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
     meta["meta_sha256"] = _meta_digest(meta)
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-    if final.exists():
-        shutil.rmtree(final)
+    if final.exists():  # a damaged one left under this name (a good one would have been resumed from)
+        if any(final.iterdir()):
+            set_aside(final)
+        else:
+            final.rmdir()  # empty: nothing to keep
     os.replace(tmp, final)
     fsync_dir(ckpt_root)
     for old in list_checkpoints(ckpt_root)[:-keep_last]:
@@ -119,6 +144,33 @@ def step_of(ckpt: Path) -> int:
 def _is_step_dir(p: Path) -> bool:
     name = p.name
     return name.startswith("step_") and len(name) >= 13 and name[5:].isdigit()
+
+
+def step_dirs(ckpt_root: Path) -> list[Path]:
+    """Every step_* directory that holds anything, complete or not (a missing meta.json beside
+    other files is damage: rwkvx renames a checkpoint into place only once it is whole), oldest
+    first. An empty one holds nothing to keep or resume from, and is not listed."""
+    if not ckpt_root.is_dir():
+        return []
+    found = [p for p in ckpt_root.glob("step_*") if _is_step_dir(p) and p.is_dir() and any(p.iterdir())]
+    return sorted(found, key=step_of)
+
+
+def had_checkpoints(ckpt_root: Path) -> bool:
+    """Whether a run has saved checkpoints: step directories, or damaged ones set aside."""
+    return bool(step_dirs(ckpt_root)) or (ckpt_root.is_dir() and any(ckpt_root.glob("corrupt-step_*")))
+
+
+def set_aside(path: Path) -> Path:
+    """Rename a damaged checkpoint corrupt-step_... (corrupt-step_...-2, ... if taken): never deleted,
+    and neither listed nor counted by keep_last again."""
+    target = path.with_name(f"corrupt-{path.name}")
+    n = 1
+    while target.exists():
+        n += 1
+        target = path.with_name(f"corrupt-{path.name}-{n}")
+    os.rename(path, target)
+    return target
 
 
 def list_checkpoints(ckpt_root: Path) -> list[Path]:
@@ -257,19 +309,19 @@ def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
 
 
 def latest_good(ckpt_root: Path, on_skip: Callable[[Path, str], None] | None = None, quarantine: bool = False):
-    """(path, meta) of the newest checkpoint that verifies, or None. Each damaged newer one is
-    reported to `on_skip(path, reason)` and, with `quarantine`, renamed `corrupt-step_...` so
-    that it is neither listed nor counted by keep_last again."""
-    for path in reversed(list_checkpoints(ckpt_root)):
+    """(path, meta) of the newest checkpoint that verifies, or None. Each damaged newer one (a
+    step directory without meta.json included) is reported to `on_skip(path, reason)` and, with
+    `quarantine`, set aside (`set_aside`)."""
+    for path in reversed(step_dirs(ckpt_root)):
         try:
+            if not (path / "meta.json").is_file():
+                raise CheckpointError(f"{path / 'meta.json'} is missing")
             return path, verify(path)
         except CheckpointError as e:
             if on_skip:
                 on_skip(path, str(e))
             if quarantine:
-                target = path.with_name(f"corrupt-{path.name}")
-                shutil.rmtree(target, ignore_errors=True)
-                os.replace(path, target)
+                set_aside(path)
     return None
 
 
@@ -280,7 +332,7 @@ def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None =
         verify(path)
         return path
     for root in (path / "checkpoints", path):
-        if list_checkpoints(root):
+        if step_dirs(root):
             found = latest_good(root, on_skip)
             if found is None:
                 raise CheckpointError(f"every checkpoint in {root} is damaged")
@@ -318,6 +370,18 @@ def _first_five(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
 
 
+def _load_failure(e: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, without torch's advice to retry with
+    weights_only=False: that runs the file's code, which rwkvx never does for a file from elsewhere."""
+    text = str(e)
+    if "Weights only load failed" in text or "weights_only" in text:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        what = f" (it would call {found.group(1)})" if found else ""
+        return f"it holds Python objects besides tensors{what}; rwkvx never unpickles code"
+    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
+    return first
+
+
 def load_weights_file(path: Path | str) -> dict[str, torch.Tensor]:
     """Weights from elsewhere, never by unpickling code: a checkpoint or run directory, a
     .safetensors file, or a .pth/.pt state dict (RWKV-LM's) through torch.load(weights_only=True)."""
@@ -335,8 +399,7 @@ def load_weights_file(path: Path | str) -> dict[str, torch.Tensor]:
             warnings.simplefilter("ignore")
             sd = torch.load(path, map_location="cpu", weights_only=True)
     except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
-        reason = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise CheckpointError(f"{path} is not a weights-only state dict: {reason}") from None
+        raise CheckpointError(f"{path} is not a weights-only state dict: {_load_failure(e)}") from None
     if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
         raise CheckpointError(f"{path} does not hold a flat state dict of named tensors")
     return sd

@@ -102,10 +102,18 @@ class CheckpointManager:
         """Load the newest good checkpoint into the model and optimizer (None if there is none).
         A damaged newer one is reported to `on_skip(path, reason)`, set aside (renamed
         corrupt-step_...), and skipped."""
-        found = None
+        found, refusal = None, None
         if self.dist.is_main:
+            had = ck.had_checkpoints(self.root)
             found = ck.latest_good(self.root, on_skip, quarantine=True)
-        name = distributed.broadcast(found[0].name if found else None)
+            if found is None and had:
+                refusal = (
+                    f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
+                    "resume from. Repair one, or train afresh without --resume"
+                )
+        name, refusal = distributed.broadcast((found[0].name if found else None, refusal))
+        if refusal is not None:
+            raise CheckpointError(refusal)
         if name is None:
             return None
         path = self.root / name

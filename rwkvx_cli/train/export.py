@@ -8,21 +8,27 @@ import os
 from pathlib import Path
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from rwkvx_cli.errors import RwkvxError, UsageError
-from rwkvx_cli.fsio import fsync_path
+from rwkvx_cli.fsio import fsync_path, temp_path
 from rwkvx_cli.train import checkpoint as ck
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
-def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32", on_skip=None) -> dict:
-    """`on_skip(path, reason)` hears of each damaged checkpoint passed over for an older one."""
+def export_checkpoint(
+    checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32", on_skip=None, force: bool = False
+) -> dict:
+    """`on_skip(path, reason)` hears of each damaged checkpoint passed over for an older one. An
+    existing `out` is replaced only with `force`; never a directory, nor a file in a checkpoint."""
     if fmt not in ("rwkv-lm", "safetensors"):
         raise UsageError(f"unknown export format {fmt!r}; valid: rwkv-lm, safetensors")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
+    out = Path(out)
+    _check_target(out, force)
     path = ck.resolve_checkpoint(checkpoint, on_skip)
     meta = ck.read_meta(path)
     weights = ck.load_weights(path)
@@ -31,13 +37,32 @@ def export_checkpoint(checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32"
     if fmt == "rwkv-lm" and other:
         raise RwkvxError(f"the rwkv-lm format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
-    out = Path(out)
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp")
-    if fmt == "rwkv-lm":
-        torch.save(tensors, tmp)
-    else:
-        save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
-    fsync_path(tmp)
-    os.replace(tmp, out)
+    tmp = temp_path(out)
+    try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        if fmt == "rwkv-lm":
+            torch.save(tensors, tmp)
+        else:
+            save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
+        fsync_path(tmp)
+        os.replace(tmp, out)
+    except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise RwkvxError(f"cannot write {out}: {ck.io_reason(e)}") from None
     return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}
+
+
+def _check_target(out: Path, force: bool) -> None:
+    """The export target: a file name that is not inside a checkpoint (nor a run's checkpoints
+    folder), not a directory, and not an existing file unless `force`."""
+    if str(out).strip() == "" or out.is_dir() or str(out).endswith(os.sep):
+        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'model.pth'}")
+    parent = Path(os.path.abspath(out)).parent
+    for d in (parent, *parent.parents):
+        in_root = d == parent and any(d.glob("step_*/meta.json"))  # a run's checkpoints folder
+        if in_root or (d / "meta.json").is_file() and (d / "model.safetensors").is_file():
+            raise UsageError(f"--out {out} is inside a checkpoint ({d}); export elsewhere")
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"--out {out} is under a file ({d})")
+    if out.exists() and not force:
+        raise UsageError(f"--out {out} already exists; pass --force to replace it")

@@ -19,9 +19,16 @@ import numpy as np
 import torch
 
 from rwkvx_cli.config import Config, ConfigError
-from rwkvx_cli.data.sampler import StreamSampler, WindowSampler, sequential_windows
+from rwkvx_cli.data.sampler import (
+    EpochSampler,
+    MixtureSampler,
+    StreamSampler,
+    WindowSampler,
+    sequential_windows,
+)
 from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.models import LM, parameter_groups
+from rwkvx_cli.models.losses import L2Wrap
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
@@ -103,6 +110,20 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, devic
     }
 
 
+def make_sampler(cfg: Config, train_tokens, global_rows: int):
+    """The training batches: consecutive streams under TBPTT; a weighted mixture for data.mix
+    (`train_tokens` then lists its sources' tokens); else one pass per epoch (train.sampler=epoch)
+    or random windows with replacement (random). Each is a pure function of (seed, step)."""
+    t = cfg.train
+    if t.tbptt:
+        return StreamSampler(train_tokens, t.ctx_len, global_rows, t.seed)
+    if cfg.data.mix is not None:
+        weights = [s.weight for s in cfg.data.mix]
+        return MixtureSampler(train_tokens, weights, t.ctx_len, global_rows, t.seed)
+    sampler = EpochSampler if t.sampler == "epoch" else WindowSampler
+    return sampler(train_tokens, t.ctx_len, global_rows, t.seed)
+
+
 class Trainer:
     def __init__(
         self,
@@ -135,8 +156,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(
             [{**g, "params": [params[n] for n in g["params"]]} for g in groups], lr=t.lr, betas=t.betas, eps=t.eps
         )
-        sampler = StreamSampler if t.tbptt else WindowSampler
-        self.sampler = sampler(train_tokens, t.ctx_len, self.global_rows, t.seed)
+        self.sampler = make_sampler(cfg, train_tokens, self.global_rows)
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
         self.carry: list[list | None] = [None] * len(self.micro)
         self.step = 0
@@ -154,6 +174,8 @@ class Trainer:
             before_save=self.metrics.sync,
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
+        self.model.grad_checkpointing = t.grad_cp
+        self.l2wrap = "rwkv7" in self.model.kinds if t.l2wrap is None else t.l2wrap
 
     # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
@@ -198,10 +220,9 @@ class Trainer:
             last = micro == len(self.micro) - 1
             with distributed.grad_sync(self.wrapped, t.distributed, sync=last):
                 with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
-                    logits, state = self.forward(x[rows], self.carry[micro])
+                    loss, state = self._loss(x[rows], y[rows], self.carry[micro])
                 if t.tbptt:
                     self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
-                loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y[rows].flatten())
                 (loss * weight).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size
@@ -216,6 +237,14 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
         return loss_value, lr, norm_value, applied
+
+    def _loss(self, x, y, carry):
+        """Mean cross-entropy of one micro-batch and the state after it (train.head, train.l2wrap)."""
+        if self.cfg.train.head == "chunked":
+            return self.forward(x, carry, y, l2wrap=self.l2wrap)
+        logits, state = self.forward(x, carry)
+        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+        return (L2Wrap.apply(loss, logits) if self.l2wrap else loss), state
 
     def _nonfinite(self, loss: float, norm: float) -> None:
         t = self.cfg.train
@@ -261,6 +290,7 @@ class Trainer:
                     peak_mem_mb=peak_memory_mb(self.device),
                     skipped=not applied,
                     skipped_steps=self.skipped_steps,
+                    epoch=self.sampler.epoch(self.step - 1),
                 )
                 if self.step % t.eval_interval == 0 or self.step == total_steps:
                     ev = self.validate()

@@ -30,6 +30,7 @@ class StepMetrics:
     val_bpb: float | None = None
     skipped: bool = False  # this step's loss or gradient was not finite and it was not applied
     skipped_steps: int = 0  # such steps so far in the run
+    epoch: int = 0  # the pass over the training data this step's batch began in (0 = the first)
 
 
 def json_line(m: StepMetrics) -> str:
@@ -63,10 +64,19 @@ class MetricsLog:
         if self._file is not None:
             fsync_file(self._file)
 
-    def clear(self) -> None:
-        """A fresh run starts with an empty log."""
-        if self.enabled:
-            self.path.unlink(missing_ok=True)
+    def set_aside(self) -> Path | None:
+        """A fresh run starts with an empty log: a non-empty one is renamed metrics.jsonl.old-N (never
+        deleted); returns that new path, or None when there was nothing to keep."""
+        if not self.enabled or not self.path.is_file():
+            return None
+        if self.path.stat().st_size == 0:
+            self.path.unlink()
+            return None
+        n = 1
+        while (kept := self.path.with_name(f"{self.path.name}.old-{n}")).exists():
+            n += 1
+        self.path.rename(kept)
+        return kept
 
     def truncate(self, step: int) -> None:
         """Drop the lines logged after `step` (the checkpoint resumed from), and a line torn by a crash."""

@@ -14,6 +14,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
 from __future__ import annotations
 
 import contextlib
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,12 +23,16 @@ import torch
 
 from rwkvx_cli.config import Config, config_to_dict
 from rwkvx_cli.data import PrepareStats
+from rwkvx_cli.data.prepare import read_prepared_meta
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import RUN_MARKER, check_writable_dir, claim_dir
+from rwkvx_cli.memcheck import check_model, check_training
 from rwkvx_cli.models.generate import generate
 from rwkvx_cli.train import checkpoint as ck
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
-from rwkvx_cli.train.loop import Trainer
+from rwkvx_cli.train.lock import LOCK_NAME, hold_run
+from rwkvx_cli.train.loop import Trainer, pick_device
 from rwkvx_cli.train.metrics import StepMetrics
 from rwkvx_cli.train.plot import plot_losses
 from rwkvx_cli.train.run import (
@@ -36,8 +41,10 @@ from rwkvx_cli.train.run import (
     loss_plot_path,
     metrics_path,
     model_summary,
+    needs_preparing,
     new_model,
     open_run,
+    prepare_command,
 )
 from rwkvx_cli.train.signals import GracefulStop
 
@@ -76,13 +83,44 @@ def init_run(
     """Write a new run directory (config, tokenizer, prepared data, step-0 checkpoint) without
     training; returns the model summary. Refuses a directory that already holds checkpoints."""
     run_dir = Path(cfg.run_dir)
-    if ck.list_checkpoints(checkpoints_dir(run_dir)):
-        raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
-    _, model = open_run(cfg, run_dir, data_progress, on_prepared)
-    if cfg.train.init_from:
-        ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
-    ck.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, {"config": config_to_dict(cfg)}, cfg.train.keep_last)
+    check_model(cfg.model)
+    with claim_run(cfg):
+        if ck.step_dirs(checkpoints_dir(run_dir)):
+            raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
+        data, model = open_run(cfg, run_dir, data_progress, on_prepared)
+        check_data(cfg, data)
+        if cfg.train.init_from:
+            ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
+        meta = {"config": config_to_dict(cfg)}
+        ck.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
     return model_summary(model)
+
+
+def check_data(cfg: Config, data) -> None:
+    """A prepared directory's meta.json agrees with its files and tokenizer (a damaged or edited one is
+    refused rather than trained on)."""
+    if getattr(cfg.data, "binidx", "") or getattr(cfg.data, "mix", None) is not None:
+        return  # a bare prefix or a mixture: no meta.json of ours
+    if (data.data_dir / "meta.json").is_file():
+        read_prepared_meta(data.data_dir, data.tokenizer.vocab_size)
+
+
+def _older_run(run_dir: Path) -> bool:
+    """A run directory made by an rwkvx older than the marker file (config.yaml and step checkpoints),
+    or one that holds only the lock of a process that died before it wrote the marker."""
+    if (run_dir / LOCK_NAME).is_file():
+        return True
+    return (run_dir / "config.yaml").is_file() and bool(ck.step_dirs(checkpoints_dir(run_dir)))
+
+
+@contextlib.contextmanager
+def claim_run(cfg: Config):
+    """Check that rwkvx may write into the run directory (new, empty, or its own: fsio.check_writable_dir),
+    mark it as a run, and hold its lock (train/lock.py) until the block ends."""
+    run_dir = check_writable_dir(cfg.run_dir, RUN_MARKER, _older_run, "run_dir")
+    claim_dir(run_dir, RUN_MARKER)
+    with hold_run(run_dir):
+        yield
 
 
 def run_training(
@@ -98,20 +136,47 @@ def run_training(
     """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
     preparation and yields its progress callback (done, total)."""
+    check_training(cfg, device if device is not None else pick_device(cfg.train.device))
+    with claim_run(cfg) if dist.is_main else contextlib.nullcontext():
+        return _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress)
+
+
+def _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress) -> TrainResult:
     emit = on_event or (lambda kind, payload: None)
     run_dir = Path(cfg.run_dir)
-    if not resume and any(ck.step_of(p) > 0 for p in ck.list_checkpoints(checkpoints_dir(run_dir))):
+    if not resume and any(ck.step_of(p) > 0 for p in ck.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
+    if dist.world_size > 1 and needs_preparing(cfg, run_dir):
+        # Every rank sees this before any of them waits: preparing here would leave the others
+        # at the barrier until they time out on a large corpus.
+        raise UsageError(
+            "the corpus is not prepared, and a multi-process train does not prepare it (the other ranks would "
+            f"wait and time out); run {prepare_command(cfg, run_dir)}"
+        )
     if dist.is_main:
         data, model = open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
-    distributed.barrier()  # rank 0 has prepared the data and written the run files
+        check_data(cfg, data)
+    distributed.barrier()  # rank 0 has written the run files
     if not dist.is_main:
         data, model = ensure_data(cfg, run_dir), new_model(cfg)
+    if cfg.train.compile:
+        # A warm AOTAutograd cache replays the output aliases of the graph pieces around the ops'
+        # graph breaks (the CPU kernels are ctypes calls) with garbage sizes ("shape '[9423...]' is
+        # invalid"); the FX graph cache alone is safe. Until the kernels are torch custom ops.
+        import torch._functorch.config
+
+        torch._functorch.config.enable_autograd_cache = False
     trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist=dist, device=device)
+    if not resume or not ck.had_checkpoints(checkpoints_dir(run_dir)):
+        # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
+        kept = trainer.metrics.set_aside()
+        if kept is not None:
+            warnings.warn(
+                f"{metrics_path(run_dir)} held steps with no checkpoint behind them; kept as {kept.name}",
+                stacklevel=2,
+            )
     if resume:
         emit("resumed", trainer.resume(on_skip))
-    else:
-        trainer.metrics.clear()  # a fresh run's log starts empty
     if trainer.step == 0 and cfg.train.init_from:
         trainer.load_initial(cfg.train.init_from)
     emit("start", TrainStart(model_summary(model), trainer.device))

@@ -59,6 +59,10 @@ def test_two_gloo_processes_match_one_and_resume_across_modes(tmp_path, corpus):
     reference = single(tmp_path / "one", corpus)
     assert len(reference) == 10 and reference[-1] < reference[0]
 
+    # A multi-process train does not prepare data: prepare it once first (the same tokens as above).
+    prepared = tmp_path / "prepared"
+    assert runner.invoke(app, ["data", "prepare", str(corpus), "--out", str(prepared)]).exit_code == 0
+    corpus = prepared
     ddp = tmp_path / "ddp"
     result = torchrun(ddp, corpus)
     assert "x 2 ranks (ddp)" in result.stdout and result.stdout.count("done") == 1  # rank 0 reports
