@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test clean
+.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test gpu-check clean
 
 install: $(STAMP)
 
@@ -58,6 +58,14 @@ gpu-compile: $(TEST_STAMP)
 
 gpu-compile-test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m gpu_compile tests/ops/test_compile_gate.py
+
+# On a GPU box: gradcheck every CUDA backend, bench wkv7 (fla's chunk_rwkv7 as a peer row
+# when FLA_WHEELS=<folder of fla wheels>), 200 bf16 training steps of configs/gpu-0.1b.yaml,
+# the CUDA `auto` choices -> bench/gpu.json, bench/gpu.md. Offline, with the box's own python
+# (CUDA torch + Triton) and the package from this checkout: no venv, nothing downloaded.
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m rwkvx_cli.gpu_check --out bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -12,6 +12,11 @@ backend supports it, else fp32).
 Both use the loss L = Σ c ⊙ y + Σ c_s ⊙ state_out with fixed random c, and the
 metric max |g - ref| / (|ref| + 1e-6) < 1e-3. Non-vacuity: a gradient whose
 reference has max |g| <= 1e-4 fails, since it would pass whatever the backend did.
+
+Gate A-bf16 (`bf16=True`): gate A with bf16 inputs (states and cotangents fp32), against the
+fp64 oracle on the same bf16-rounded values, gated on the RMS ratio ‖got − ref‖/‖ref‖ <=
+BF16_RMS_TOLERANCE per column: bf16 keeps 8 mantissa bits, so an elementwise relative metric
+would only measure rounding (docs/gradcheck.md).
 """
 
 from __future__ import annotations
@@ -28,6 +33,9 @@ THRESHOLD = 1e-3
 REL_FLOOR = 1e-6
 VACUOUS_BELOW = 1e-4
 FD_STEP = 1e-3
+# Gate A-bf16's bound on ‖got − ref‖/‖ref‖: the kernels round their bf16 outputs and
+# gradients (relative step 2^-8 = 3.9e-3) and accumulate in fp32 (tests/ops/test_bf16.py).
+BF16_RMS_TOLERANCE = 2e-2
 
 
 @dataclass
@@ -39,6 +47,7 @@ class Column:
     rms_ratio: float
     ref_max: float
     is_grad: bool
+    rms_gate: float | None = None  # gate on rms_ratio <= this (bf16) instead of max_rel < THRESHOLD
 
     @property
     def vacuous(self) -> bool:
@@ -46,7 +55,8 @@ class Column:
 
     @property
     def passed(self) -> bool:
-        return self.max_rel < THRESHOLD and not self.vacuous
+        ok = self.rms_ratio <= self.rms_gate if self.rms_gate is not None else self.max_rel < THRESHOLD
+        return ok and not self.vacuous
 
 
 @dataclass
@@ -94,14 +104,14 @@ class Report:
         }
 
 
-def compare(name: str, got: torch.Tensor, ref: torch.Tensor, is_grad: bool) -> Column:
+def compare(name: str, got: torch.Tensor, ref: torch.Tensor, is_grad: bool, rms_gate: float | None = None) -> Column:
     got, ref = got.detach().double(), ref.detach().double()
     diff = (got - ref).abs()
     max_rel = (diff / (ref.abs() + REL_FLOOR)).max().item()
     ref_rms = ref.pow(2).mean().sqrt().item()
     diff_rms = diff.pow(2).mean().sqrt().item()
     rms_ratio = diff_rms / ref_rms if ref_rms > 0 else (0.0 if diff_rms == 0 else float("inf"))
-    return Column(name, max_rel, rms_ratio, ref.abs().max().item(), is_grad)
+    return Column(name, max_rel, rms_ratio, ref.abs().max().item(), is_grad, rms_gate)
 
 
 def _loss(y, states_out, cot: list[torch.Tensor]) -> torch.Tensor:
@@ -119,19 +129,28 @@ def _cotangents(spec: OpSpec, y, states_out, gen: torch.Generator) -> list[torch
     ]
 
 
-def _grads(spec: OpSpec, tensors: Tensors, backend: Backend, case: Case, dtype: torch.dtype, cot) -> tuple:
-    leaves = {n: t.detach().to(dtype).requires_grad_(True) for n, t in tensors.items()}
+def _grads(
+    spec: OpSpec, tensors: Tensors, backend: Backend, case: Case, dtype: torch.dtype, cot, device=None
+) -> tuple:
+    """The backend's output, final states and gradients, run on `device` (default: where the
+    tensors are), returned on the CPU."""
+    # bf16 runs keep the states and the loss in fp32, as a model does (the inputs are bf16)
+    wide = torch.float32 if dtype == torch.bfloat16 else dtype
+    leaves = {
+        n: t.detach().to(device=device, dtype=wide if n in spec.states else dtype).requires_grad_(True)
+        for n, t in tensors.items()
+    }
     y, states_out = spec.call(backend, leaves, case)
-    _loss(y, states_out, [c.to(dtype) for c in cot]).backward()
+    _loss(y, states_out, [c.to(device=y.device, dtype=wide) for c in cot]).backward()
     grads = {n: leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]) for n in leaves}
-    return y.detach(), tuple(s.detach() for s in states_out), grads
+    return y.detach().cpu(), tuple(s.detach().cpu() for s in states_out), {n: g.cpu() for n, g in grads.items()}
 
 
 def _names(spec: OpSpec) -> list[str]:
     return [*spec.inputs, *spec.states]
 
 
-def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
+def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> CaseResult:
     start = time.perf_counter()
     ref = spec.backends[spec.reference]
     gen = torch.Generator().manual_seed(seed)
@@ -141,7 +160,7 @@ def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
         y0, s0 = spec.call(ref, tensors, case)
     cot = _cotangents(spec, y0, s0, gen)
     y_ref, s_ref, g_ref = _grads(spec, tensors, ref, case, torch.float64, cot)
-    y, s, g = _grads(spec, tensors, bk, case, torch.float32, cot)
+    y, s, g = _grads(spec, tensors, bk, case, torch.float32, cot, device)
     cols = [compare("y", y, y_ref, is_grad=False)]
     cols += [compare(f"{n}_out", a, b, is_grad=False) for n, a, b in zip(spec.states, s, s_ref, strict=True)]
     cols += [compare(f"d{n}", g[n], g_ref[n], is_grad=True) for n in _names(spec)]
@@ -149,7 +168,28 @@ def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
     return CaseResult("A", case.name, dict(case.dims), bk.name, "float32", cols, time.perf_counter() - start)
 
 
-def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
+def gate_a_bf16(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> CaseResult:
+    """Gate A with bf16 inputs, on the RMS ratio (BF16_RMS_TOLERANCE)."""
+    start = time.perf_counter()
+    ref = spec.backends[spec.reference]
+    gen = torch.Generator().manual_seed(seed)
+    # Round the inputs to bf16 (states to fp32) first, so both sides see identical values.
+    sample = spec.sample(case, gen)
+    tensors = {n: (t.bfloat16() if n in spec.inputs else t.float()).double() for n, t in sample.items()}
+    with torch.no_grad():
+        y0, s0 = spec.call(ref, tensors, case)
+    cot = _cotangents(spec, y0, s0, gen)
+    y_ref, s_ref, g_ref = _grads(spec, tensors, ref, case, torch.float64, cot)
+    y, s, g = _grads(spec, tensors, bk, case, torch.bfloat16, cot, device)
+    tol = BF16_RMS_TOLERANCE
+    cols = [compare("y", y, y_ref, False, tol)]
+    cols += [compare(f"{n}_out", a, b, False, tol) for n, a, b in zip(spec.states, s, s_ref, strict=True)]
+    cols += [compare(f"d{n}", g[n], g_ref[n], True, tol) for n in _names(spec)]
+    cols += [compare(name, fn(tensors, g), fn(tensors, g_ref), True, tol) for name, fn in spec.derived.items()]
+    return CaseResult("A-bf16", case.name, dict(case.dims), bk.name, "bfloat16", cols, time.perf_counter() - start)
+
+
+def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> CaseResult:
     start = time.perf_counter()
     ref = spec.backends[spec.reference]
     gen = torch.Generator().manual_seed(seed)
@@ -158,7 +198,7 @@ def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int) -> CaseResult:
         y0, s0 = spec.call(ref, tensors, case)
     cot = _cotangents(spec, y0, s0, gen)
     dtype = torch.float64 if bk.supports_fp64 else torch.float32
-    _, _, g = _grads(spec, tensors, bk, case, dtype, cot)
+    _, _, g = _grads(spec, tensors, bk, case, dtype, cot, device)
 
     def loss() -> float:
         y, states_out = spec.call(ref, tensors, case)
@@ -190,15 +230,21 @@ def run_gradcheck(
     seed: int = 0,
     size: int = 1,
     on_case: Callable[[str], None] | None = None,
+    device: torch.device | None = None,
+    bf16: bool = False,
 ) -> Report:
-    """Both gates for each backend; `on_case(label)` is called before each case."""
+    """Both gates for each backend, run on `device` (default CPU; the fp64 oracle and the finite
+    differences always run on the CPU); with `bf16`, gate A-bf16 too. `on_case(label)` is
+    called before each case."""
     report = Report(spec.name, seed, size)
     for bk in backends:
         for i, case in enumerate(spec.cases):
             if on_case:
                 on_case(f"{bk.name}: gate A, {case.name}")
-            report.results.append(gate_a(spec, bk, case.scaled(size), seed * 1000 + i))
+            report.results.append(gate_a(spec, bk, case.scaled(size), seed * 1000 + i, device))
+            if bf16:
+                report.results.append(gate_a_bf16(spec, bk, case.scaled(size), seed * 1000 + i, device))
         if on_case:
             on_case(f"{bk.name}: gate B, {spec.fd_case.name}")
-        report.results.append(gate_b(spec, bk, spec.fd_case, seed * 1000 + len(spec.cases)))
+        report.results.append(gate_b(spec, bk, spec.fd_case, seed * 1000 + len(spec.cases), device))
     return report

@@ -19,6 +19,7 @@ except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
 __all__ = [
     "CHUNK",
     "cast_back",
+    "check_offsets",
     "compute_dtype",
     "compute_empty",
     "prepare",
@@ -32,6 +33,34 @@ __all__ = [
 # interval (the backward recomputes a chunk from its snapshot), the chunked kernels'
 # chunk length (a power of two >= 16, the smallest tl.dot tile).
 CHUNK = 16
+
+
+# How the kernels index memory: every buffer's base offset (batch, head, chunk, time) in
+# int64 (at B=32, H=32, T=4096, N=128 a wkv7 snapshot buffer has 2^32 elements), and the
+# offsets inside one program's tile (rows * N + cols, chunk-local scratch) in int32.
+I64_LIMIT = 2**63
+I32_LIMIT = 2**31
+
+
+def max_offset(shape: Iterable[int]) -> int:
+    """The largest element offset into a contiguous buffer of this shape."""
+    n = 1
+    for d in shape:
+        n *= int(d)
+    return max(n - 1, 0)
+
+
+def check_offsets(kernel: str, buffers: dict[str, tuple[int, ...]], tile: int = 0) -> dict[str, int]:
+    """Refuse (one-line ValueError) a launch a kernel cannot index: a buffer whose largest
+    offset passes int64, or a per-program tile offset (`tile`, computed in int32) passing
+    int32. Returns each buffer's largest offset (for the tests)."""
+    offsets = {name: max_offset(shape) for name, shape in buffers.items()}
+    for name, off in offsets.items():
+        if off >= I64_LIMIT:
+            raise ValueError(f"{kernel}: {name} {tuple(buffers[name])} has more elements than int64 offsets reach")
+    if tile >= I32_LIMIT:
+        raise ValueError(f"{kernel}: a program's tile offsets reach {tile}, past the int32 the kernel uses")
+    return offsets
 
 
 def unavailable() -> str | None:

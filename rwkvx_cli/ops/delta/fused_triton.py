@@ -25,7 +25,17 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
+    CHUNK,
+    cast_back,
+    check_offsets,
+    compute_empty,
+    prepare,
+    state_blocks,
+    tl,
+    triton,
+    unavailable,
+)
 
 if triton is not None:
 
@@ -56,7 +66,7 @@ if triton is not None:
         N: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC,
         DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         iv = tl.program_id(1)
         row0 = (bh // H) * T * H + bh % H
         keys = tl.arange(0, BK)
@@ -88,7 +98,7 @@ if triton is not None:
         N: tl.constexpr, G: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, NVB,
         DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         iv = tl.program_id(1)
         row0 = (bh // H) * T * H + bh % H
         keys = tl.arange(0, BK)
@@ -102,7 +112,7 @@ if triton is not None:
         scr = scratch + (bh * NVB + iv) * CHUNK * BK * BV
         scr_w = scratch_w + (bh * NVB + iv) * CHUNK * BV
         loc2 = keys[:, None] * BV + lv[None, :]
-        part = iv * PSTRIDE  # this block's slice of the partials [NVB, B, T, H, N]
+        part = iv.to(tl.int64) * PSTRIDE  # this block's slice of the partials [NVB, B, T, H, N]
         dS = tl.load(ds_out + bh * N * N + off2, mask=m2, other=0.0).to(DT)
         for cc in range(NC):
             c = NC - 1 - cc
@@ -144,11 +154,26 @@ if triton is not None:
         tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
 
 
+def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
+    cannot index."""
+    BK, BV, NVB = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    buffers = {
+        "inputs": (B, T, H, N),
+        "state snapshots": (B, H, NC, N, N),
+        "column partials": (NVB, B, T, H, N),
+        "scratch": (B * H * NVB, CHUNK, BK, BV),
+    }
+    return check_offsets("gdn/kda triton", buffers, tile=max(N * N, CHUNK * BK * BV))
+
+
 class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale):
         B, T, H, N = q.shape
         G = g.shape[-1]
+        index_offsets(B, T, H, N)  # before any copy or allocation
         ins, (s0,), _, DT = prepare((q, k, v, g, beta), (state,), q.dtype)
         BK, BV, NVB = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)

@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
 if triton is not None:
@@ -41,7 +41,7 @@ if triton is not None:
         T, H, Hv, L, E, PSTRIDE,
         BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
         bi = bh // H
         h = bh % H
@@ -62,7 +62,7 @@ if triton is not None:
             qr, s, vt = _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
             z = qr / (s * (n + _EPS))
             y_part = tl.sum(z[:, None] * R, axis=0)
-            tl.store(y_p + ir * PSTRIDE + ((bi * T + t) * H + h) * E + cols, y_part, mask=cols < E)
+            tl.store(y_p + ir.to(tl.int64) * PSTRIDE + ((bi * T + t) * H + h) * E + cols, y_part, mask=cols < E)
             R = dr[:, None] * R + qr[:, None] * vt[None, :]
             n = dr * n + qr
         tl.store(rhoT + bh * L * E + off2, R, mask=m2)
@@ -76,7 +76,7 @@ if triton is not None:
         T, H, Hv, L, E, PSTRIDE, QSTRIDE,
         BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
         bi = bh // H
         h = bh % H
@@ -121,10 +121,10 @@ if triton is not None:
                 a = tl.sum(dR * vt[None, :], axis=1)
                 g = tl.sum(dR * Rp, axis=1)
                 r = tl.sum(Rp * dyt[None, :], axis=1)
-                tl.store(dv_p + ir * PSTRIDE + base * E + cols, tl.sum(qr[:, None] * dR, axis=0), mask=okc)
+                tl.store(dv_p + ir.to(tl.int64) * PSTRIDE + base * E + cols, tl.sum(qr[:, None] * dR, axis=0), mask=okc)
                 tl.store(dq_p + base * L + rows, a + dn + r * im / s, mask=okr)
                 tl.store(  # the block's scalar Σ dz z, stored by lane 0
-                    zdz_p + ir * QSTRIDE + base + lrow,
+                    zdz_p + ir.to(tl.int64) * QSTRIDE + base + lrow,
                     tl.sum(tl.where(okr, r * z, 0.0), axis=0) + lrow * 0.0,
                     mask=(lrow == 0) & okr,
                 )
@@ -143,11 +143,26 @@ def _blocks(L: int, E: int) -> tuple[int, int, int, int]:
     return BR, triton.next_power_of_2(E), BL, triton.cdiv(L, BR)
 
 
+def index_offsets(B: int, T: int, H: int, L: int, E: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
+    cannot index. E is the value width: the model width with the shared value head."""
+    BR, BE, BL, NR = _blocks(L, E)
+    NC = triton.cdiv(T, CHUNK)
+    buffers = {
+        "q": (B, T, H, L),
+        "state snapshots": (B, H, NC, L, E),
+        "output partials": (NR, B, T, H, E),
+        "scratch": (B * H * NR, CHUNK, BR, BE),
+    }
+    return check_offsets("rwkv8 triton", buffers, tile=max(L * E, CHUNK * BR * BE))
+
+
 class _RWKV8Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, v, d, rho, norm):
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
+        index_offsets(B, T, H, L, E)  # before any copy or allocation
         ins, s0, cdt, DT = prepare((q, v, d), (rho, norm), q.dtype)
         BR, BE, BL, NR = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
 
 if triton is not None:
 
@@ -56,7 +56,7 @@ if triton is not None:
         T, C,
         BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # i64: (b * T + t) * C passes 2^31 at production sizes
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
         mc = cols < C
         wv = tl.load(w + cols, mask=mc, other=0.0).to(DT)
@@ -88,7 +88,7 @@ if triton is not None:
         T, C,
         BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        b = tl.program_id(0)
+        b = tl.program_id(0).to(tl.int64)  # i64: (b * T + t) * C passes 2^31 at production sizes
         ic = tl.program_id(1)
         lane = tl.arange(0, BC)
         cols = ic * BC + lane
@@ -161,11 +161,24 @@ def _block(C: int) -> int:
     return min(64, max(16, triton.next_power_of_2(C)))
 
 
+def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
+    cannot index. C = H * N, the channels."""
+    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    buffers = {
+        "k, v, y": (B, T, C),
+        "state snapshots": (B, NC, 3, C),
+        "scratch": (B * triton.cdiv(C, BC), CHUNK, 3, BC),
+    }
+    return check_offsets("wkv4 triton", buffers, tile=CHUNK * 3 * BC)
+
+
 class _WKV4Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, u, k, v, aa, bb, pp):
         B, T, H, N = k.shape
         C = H * N
+        index_offsets(B, T, C)  # before any copy or allocation
         ins, s0, _, DT = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
         BC, NC = _block(C), triton.cdiv(T, CHUNK)
         y = torch.empty_like(ins[2])

@@ -52,7 +52,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, tl, triton, unavailable
+from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable
 
 __all__ = ["CHUNK", "unavailable", "wkv7_triton_chunked"]
 
@@ -63,6 +63,8 @@ W_MIN = -60.0
 # plain "tf32" fails them); "ieee" is exact fp32 on CUDA cores, and spills heavily.
 # The interpreter computes every dot exactly whatever this says.
 DOT_PRECISION = "tf32x3"
+# CUDA's limit on a launch grid's y and z sides (x reaches 2^31 - 1).
+GRID_YZ_MAX = 65535
 # The pairwise [key, t, s] tiles are register-heavy: 8 warps keep ptxas spills small (sm_90).
 PAIRWISE_WARPS = 8
 
@@ -390,10 +392,27 @@ def _intra(ins, NC: int, cdt: torch.dtype, DT, prec: str) -> list[torch.Tensor]:
     return [*mats, *rows, ecl]
 
 
+def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 bases: every program id is
+    widened); refuses sizes they cannot index."""
+    BK, BKC, BV = _blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    buffers = {
+        "inputs": (B, T, H, N),
+        "chunk matrices": (B * H, NC, CHUNK, CHUNK),
+        "chunk rows": (B * H, NC * CHUNK, N),
+        "state snapshots": (B, H, NC + 1, N, N),
+    }
+    if B * H > GRID_YZ_MAX:  # the kernels put B * H on the grid's y axis
+        raise ValueError(f"wkv7 triton_chunked: B * H = {B * H} passes the CUDA grid's {GRID_YZ_MAX} on its y axis")
+    return check_offsets("wkv7 triton_chunked", buffers, tile=N * N)
+
+
 class _WKV7TritonChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
+        index_offsets(B, T, H, N)  # before any copy or allocation
         ins, (s0,), cdt, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
         prec = _dot_precision(r.dtype)
         BK, _, BV = _blocks(N)

@@ -17,7 +17,17 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, compute_empty, prepare, state_blocks, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
+    CHUNK,
+    cast_back,
+    check_offsets,
+    compute_empty,
+    prepare,
+    state_blocks,
+    tl,
+    triton,
+    unavailable,
+)
 
 if triton is not None:
 
@@ -39,7 +49,7 @@ if triton is not None:
         T, H,
         N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         iv = tl.program_id(1)
         bi = bh // H
         h = bh % H
@@ -69,7 +79,7 @@ if triton is not None:
         T, H, PSTRIDE,
         N: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, NV, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0)
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
         iv = tl.program_id(1)
         bi = bh // H
         h = bh % H
@@ -84,7 +94,7 @@ if triton is not None:
         scr = scratch + (bh * NV + iv) * CHUNK * BV * BK
         scr_sa = scratch_sa + (bh * NV + iv) * CHUNK * BV
         loc2 = vrow[:, None] * BK + cols[None, :]
-        part = iv * PSTRIDE  # this row block's slice of the column-sum partials [NV, B, T, H, N]
+        part = iv.to(tl.int64) * PSTRIDE  # this row block's slice of the column-sum partials [NV, B, T, H, N]
         dS = tl.load(ds_out + bh * N * N + off2, mask=m2, other=0.0).to(DT)
         for cc in range(NC):
             c = NC - 1 - cc
@@ -124,10 +134,25 @@ if triton is not None:
         tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
 
 
+def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
+    cannot index."""
+    BK, BV, NV = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    buffers = {
+        "inputs": (B, T, H, N),
+        "state snapshots": (B, H, NC, N, N),
+        "column partials": (NV, B, T, H, N),
+        "scratch": (B * H * NV, CHUNK, BV, BK),
+    }
+    return check_offsets("wkv7 triton", buffers, tile=max(N * N, CHUNK * BV * BK))
+
+
 class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
+        index_offsets(B, T, H, N)  # before any copy or allocation
         ins, (s0,), _, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
         BK, BV, NV = state_blocks(N)
         NC = triton.cdiv(T, CHUNK)

@@ -1,0 +1,45 @@
+"""`make gpu-check`'s driver, run on the CPU at tiny sizes (`--device cpu --quick`): the shape
+of bench/gpu.json and bench/gpu.md, and that a failing step is reported with a non-zero exit."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _run(tmp_path, *args):
+    # the package from the checkout, as on a GPU box: no venv entry points on PATH
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "rwkvx_cli.gpu_check", "--device", "cpu", "--quick", "--out", str(tmp_path), *args]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    report = json.loads((tmp_path / "gpu.json").read_text())
+    return proc, report, (tmp_path / "gpu.md").read_text()
+
+
+def test_gpu_check_quick_cpu_run(tmp_path):
+    proc, report, md = _run(tmp_path, "--ops", "wkv4")
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert report["passed"] and report["failed"] == []
+    assert [s["name"] for s in report["steps"]] == ["gradcheck", "bench", "train", "auto"]
+    assert all(s["status"] == "ok" for s in report["steps"])
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["gradcheck"]["data"]["wkv4"]["passed"]
+    rows = steps["bench"]["data"]["fp32"]["rows"]
+    assert {r["mode"] for r in rows} == {"fwd", "fwdbwd"} and all(r["median_ms"] > 0 for r in rows)
+    train = steps["train"]["data"]
+    assert train["steps"] == 4 and train["loss_falling"] and train["tokens_per_s"] > 0
+    assert set(steps["auto"]["data"]) >= {"wkv7", "wkv4", "rwkv8", "gdn", "kda"}
+    assert report["environment"]["torch"]
+    assert md.startswith("# rwkvx gpu-check") and "| gradcheck | ok |" in md and "tokens/s" in md
+
+
+def test_gpu_check_reports_a_failing_step(tmp_path):
+    proc, report, md = _run(tmp_path, "--ops", "nosuchop", "--steps", "gradcheck,auto")
+    assert proc.returncode == 1
+    assert not report["passed"] and report["failed"] == ["gradcheck"]
+    steps = {s["name"]: s for s in report["steps"]}
+    assert steps["gradcheck"]["status"] == "FAIL" and "exit 1" in steps["gradcheck"]["detail"]
+    assert steps["auto"]["status"] == "ok"
+    assert "| gradcheck | FAIL |" in md and "FAIL in" in md
