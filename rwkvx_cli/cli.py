@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import functools
 import json
-import signal
 import time
 from pathlib import Path
 from typing import Annotated
@@ -24,6 +23,8 @@ from rwkvx_cli.render import (
     render_gradcheck,
     render_model_bench,
 )
+from rwkvx_cli.train import signals
+from rwkvx_cli.train.signals import Terminated
 
 app = typer.Typer(
     name="rwkvx",
@@ -44,7 +45,7 @@ def reports_errors(fn):
         except RwkvxError as e:
             err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
-        except _Terminated:  # SIGTERM outside training's graceful stop (start-up)
+        except Terminated:  # SIGTERM outside training's graceful stop (start-up)
             err.print("[bold red]terminated[/]")
             raise typer.Exit(143) from None
         except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
@@ -59,14 +60,6 @@ def reports_errors(fn):
             raise typer.Exit(1) from None
 
     return wrapper
-
-
-class _Terminated(KeyboardInterrupt):
-    """SIGTERM, raised like Ctrl-C so that the command unwinds and says so."""
-
-
-def _raise_terminated(signum, frame) -> None:
-    raise _Terminated
 
 
 def _version(value: bool) -> None:
@@ -202,13 +195,8 @@ def train(
 ) -> None:
     """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl.
     Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
-    previous = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
-    signal.signal(signal.SIGTERM, _raise_terminated)  # start-up: unwind and say so (then GracefulStop's)
-    try:
+    with signals.terminate_raises():  # start-up: unwind and say so (then the run's graceful stop)
         _train(config, overrides, resume)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
 
 
 def _train(config, overrides, resume) -> None:
@@ -234,9 +222,8 @@ def _train(config, overrides, resume) -> None:
                 on_skip=_warn_skipped,
                 data_progress=data_progress,
             )
-        if result.stopped:  # a second signal after the stop's checkpoint: nothing left to save
-            for sig in (signal.SIGINT, signal.SIGTERM):
-                signal.signal(sig, signal.SIG_IGN)
+        if result.stopped:
+            signals.ignore_stop_signals()
         console.finish(result)
     finally:
         distributed.shutdown()
@@ -498,11 +485,9 @@ def main() -> None:
     import warnings
 
     warnings.showwarning = _one_line_warning
-    if hasattr(signal, "SIGXFSZ"):  # past a file-size limit a write fails (EFBIG, one line) instead of killing us
-        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
-    signal.signal(signal.SIGTERM, _raise_terminated)  # like Ctrl-C: unwind, clean up, say so (exit 143)
+    signals.install_process_handlers()  # SIGTERM unwinds like Ctrl-C (exit 143); EFBIG instead of SIGXFSZ
     try:
         app()
-    except _Terminated:  # before a command's own handler (reports_errors) is reached
+    except Terminated:  # before a command's own handler (reports_errors) is reached
         err.print("[bold red]terminated[/]")
         raise SystemExit(143) from None

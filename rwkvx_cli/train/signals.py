@@ -1,11 +1,48 @@
-"""A graceful stop: SIGINT or SIGTERM ends a training run after its current step, with a
-checkpoint and exit status 0, instead of killing it mid-step."""
+"""Signals. During training, a graceful stop: SIGINT or SIGTERM ends the run after its current
+step, with a checkpoint and exit status 0, instead of killing it mid-step. Outside it, SIGTERM
+unwinds like Ctrl-C (`Terminated`), so that a command cleans up and says so; and a write past a
+file-size limit fails with an error instead of killing the process (SIGXFSZ ignored)."""
 
 from __future__ import annotations
 
+import contextlib
 import signal
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM, raised like Ctrl-C so that a command unwinds and says so (exit 143)."""
+
+
+def _raise_terminated(signum, frame) -> None:
+    raise Terminated
+
+
+def install_process_handlers() -> None:
+    """For the whole process: SIGTERM raises Terminated; SIGXFSZ is ignored (EFBIG instead)."""
+    if hasattr(signal, "SIGXFSZ"):
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, _raise_terminated)
+
+
+@contextlib.contextmanager
+def terminate_raises():
+    """SIGTERM raises Terminated inside the block (start-up, before GracefulStop takes over);
+    SIGINT and SIGTERM get their previous handlers back after it."""
+    previous = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    signal.signal(signal.SIGTERM, _raise_terminated)
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
+def ignore_stop_signals() -> None:
+    """After a graceful stop's checkpoint: nothing is left to save, so further signals are ignored."""
+    for sig in SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
 
 
 class GracefulStop:
