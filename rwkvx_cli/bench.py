@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rwkvx_cli.ops._native import NativeBuildError, cpu_isa
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
@@ -44,6 +45,9 @@ class BenchReport:
     threads: int
     matmul_gflops: float
     rows: list[BenchRow] = field(default_factory=list)
+    # The instruction set the fused CPU kernels are built for (ops/_native.py), on CPU
+    # runs; None where no build can run (a forced RWKVX_CPU_ISA this CPU lacks).
+    cpu_isa: str | None = None
 
     def to_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "rows"}, "rows": [asdict(r) for r in self.rows]}
@@ -154,6 +158,11 @@ def run_bench(
 ) -> BenchReport:
     peak = matmul_peak_gflops(device, torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype])
     report = BenchReport(str(device), torch.get_num_threads(), peak)
+    if device.type == "cpu":
+        try:
+            report.cpu_isa = cpu_isa()
+        except NativeBuildError:
+            pass  # each native row says why it did not run
     for spec in specs:
         peers = [bk.name for bk in spec.peer_backends() if device.type in bk.devices and bk.unavailable() is None]
         names = backends or [bk.name for bk in spec.production_backends()] + peers + [baseline]

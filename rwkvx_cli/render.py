@@ -136,7 +136,8 @@ class TrainView:
         rate = m.tokens_per_s
         eta = m.tokens and (self.total * m.tokens / m.step - m.tokens) / max(rate, 1e-9)
         val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
-        table.add_row(ProgressBar(total=self.total, completed=m.step, width=40), f"step {m.step}/{self.total}")
+        bar = ProgressBar(total=self.total, completed=m.step, width=40)
+        table.add_row(bar, f"step {m.step}/{self.total}", "epoch", f"{m.epoch}")
         table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
         table.add_row("lr", f"{m.lr:.2e}", "grad norm", f"{m.grad_norm:.3f}")
         table.add_row("tokens/s", f"{rate:,.0f}", "ETA", f"{eta:,.0f}s")

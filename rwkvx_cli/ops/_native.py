@@ -1,15 +1,21 @@
-"""Compile a C++ kernel file into a shared library once, cache it, load it with ctypes.
+"""Compile a C++ kernel file into a shared library once per CPU ISA, cache it, load it with ctypes.
 
-Plain C ABI, no torch headers: a build takes about a second. The library is
-cached under $RWKVX_CACHE (default ~/.cache/rwkvx/native), keyed by the
-source, the flags, the compiler and the CPU, and written atomically, so
-concurrent processes never load a half-written file. A machine without a
-compiler gets a NativeBuildError naming the problem; callers fall back.
+Plain C ABI, no torch headers: a build takes about a second. The kernels include
+csrc/simd.h, whose vector width and register blocking follow the instruction set
+they are compiled for (see there). That is the best one this CPU runs (avx512,
+avx2 or generic), or the one RWKVX_CPU_ISA names, so that every build can be
+tested and timed on one machine; a forced ISA the CPU cannot run is refused
+before anything is compiled or run. The library is cached under $RWKVX_CACHE
+(default ~/.cache/rwkvx/native), keyed by the source, the shared headers, the
+flags and the compiler, and written atomically, so concurrent processes never
+load a half-written file. A machine without a compiler gets a NativeBuildError
+naming the problem; callers fall back.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import hashlib
 import os
 import platform
@@ -21,68 +27,128 @@ from pathlib import Path
 
 import torch
 
-FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+ENV = "RWKVX_CPU_ISA"
+ISAS = ("avx512", "avx2", "generic")  # best first
+BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
+HEADER_DIR = Path(__file__).parent / "csrc"  # simd.h: part of every build's cache key
+
+# The x86-64-v3 and -v4 instruction sets, spelled as feature flags (GCC < 11 has no
+# -march=x86-64-v3), and the /proc/cpuinfo flags a CPU needs to run each build.
+_V3_FLAGS = ("-mavx2", "-mfma", "-mbmi", "-mbmi2", "-mf16c", "-mlzcnt", "-mmovbe", "-mpopcnt")
+_V4_FLAGS = (*_V3_FLAGS, "-mavx512f", "-mavx512bw", "-mavx512cd", "-mavx512dq", "-mavx512vl")
+ISA_FLAGS = {"avx512": _V4_FLAGS, "avx2": _V3_FLAGS, "generic": ()}
+_V3_CPU = {"avx", "avx2", "fma", "bmi1", "bmi2", "f16c", "abm", "movbe", "popcnt"}
+_CPU_NEEDS = {"avx512": _V3_CPU | {"avx512f", "avx512bw", "avx512cd", "avx512dq", "avx512vl"}, "avx2": _V3_CPU}
+SIMD_BYTES = {"avx512": 64, "avx2": 32, "generic": 16}  # what csrc/simd.h picks for each build
 
 
 class NativeBuildError(RuntimeError):
     pass
 
 
-def _cpu_model() -> str:
+@functools.cache
+def supported_isas() -> tuple[str, ...]:
+    """The builds this CPU can run, best first ("generic" always)."""
+    if platform.machine().lower() not in ("x86_64", "amd64"):
+        return ("generic",)
+    flags: set[str] | None = None
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("model name", "flags")):
-                return line
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
     except OSError:
         pass
-    return platform.processor()
+    if flags is None:  # no /proc (macOS, Windows): torch's own dispatch knows the CPU
+        capability = torch.backends.cpu.get_cpu_capability().lower()
+        best = "avx512" if capability.startswith("avx512") else "avx2" if capability == "avx2" else "generic"
+        return ISAS[ISAS.index(best) :]
+    return tuple(isa for isa in ISAS if _CPU_NEEDS.get(isa, set()) <= flags)
 
 
-_LOADED: dict[Path, ctypes.CDLL | NativeBuildError] = {}
+def cpu_isa() -> str:
+    """The ISA the kernels are built for: $RWKVX_CPU_ISA, else the best this CPU runs.
+    A value that is not an ISA, or one this CPU cannot run, is a NativeBuildError."""
+    forced = os.environ.get(ENV, "").strip().lower()
+    supported = supported_isas()
+    if not forced:
+        return supported[0]
+    if forced not in ISAS:
+        raise NativeBuildError(f"{ENV}={forced!r} is not one of {', '.join(ISAS)}")
+    if forced not in supported:
+        raise NativeBuildError(f"{ENV}={forced}: this CPU cannot run {forced} code; it runs {', '.join(supported)}")
+    return forced
+
+
+_LOADED: dict[tuple[Path, str], ctypes.CDLL | NativeBuildError] = {}
 
 
 def load_library(source: Path) -> ctypes.CDLL:
-    """The compiled library; a failure is remembered, so it costs one attempt per process."""
+    """The library compiled for cpu_isa(); a failure is remembered, so it costs one attempt per process."""
     source = Path(source)
-    if source not in _LOADED:
+    isa = cpu_isa()
+    key = (source, isa)
+    if key not in _LOADED:
         try:
-            _LOADED[source] = _build_and_load(source)
+            _LOADED[key] = _build_and_load(source, isa)
         except NativeBuildError as e:
-            _LOADED[source] = e
-    result = _LOADED[source]
+            _LOADED[key] = e
+    result = _LOADED[key]
     if isinstance(result, NativeBuildError):
         raise result
     return result
 
 
-def _build_and_load(source: Path) -> ctypes.CDLL:
+def _compiler() -> str:
     compiler = os.environ.get("CXX") or shutil.which("g++") or shutil.which("c++") or shutil.which("clang++")
     if not compiler:
         raise NativeBuildError("no C++ compiler found (set CXX, or install g++)")
-    text = Path(source).read_bytes()
-    key = hashlib.sha256(b"\0".join([text, " ".join(FLAGS).encode(), compiler.encode(), _cpu_model().encode()]))
+    return compiler
+
+
+def build_path(source: Path, isa: str, compiler: str) -> Path:
+    """Where the library for (source, isa) is cached: named by a hash of everything the build reads."""
+    parts = [Path(source).read_bytes(), *(h.read_bytes() for h in sorted(HEADER_DIR.glob("*.h")))]
+    flags = (*BASE_FLAGS, *ISA_FLAGS[isa])
+    key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), compiler.encode()]))
     cache_dir = Path(os.environ.get("RWKVX_CACHE", Path.home() / ".cache" / "rwkvx")) / "native"
-    target = cache_dir / f"{Path(source).stem}-{key.hexdigest()[:16]}.so"
-    if not target.exists():
-        cache_dir.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=cache_dir, suffix=".so.tmp")
-        os.close(fd)
-        try:
-            try:
-                proc = subprocess.run([compiler, *FLAGS, str(source), "-o", tmp], capture_output=True, text=True)
-            except OSError as e:
-                raise NativeBuildError(f"cannot run the compiler {compiler}: {e.strerror}") from None
-            if proc.returncode != 0:
-                first = (proc.stderr.strip().splitlines() or ["unknown error"])[0]
-                raise NativeBuildError(f"compiling {Path(source).name} failed: {first}")
-            os.replace(tmp, target)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    return cache_dir / f"{Path(source).stem}-{isa}-{key.hexdigest()[:16]}.so"
+
+
+def compile_library(source: Path, isa: str, target: Path, compiler: str | None = None) -> None:
+    """Compile `source` for `isa` into `target`, written atomically; running it is the caller's
+    business (the tests compile every ISA, even one this CPU cannot run)."""
+    compiler = compiler or _compiler()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
+    os.close(fd)
     try:
-        return ctypes.CDLL(str(target))
+        cmd = [compiler, *BASE_FLAGS, *ISA_FLAGS[isa], str(source), "-o", tmp]
+        try:
+            proc = subprocess.run(cmd, capture_output=True, text=True)
+        except OSError as e:
+            raise NativeBuildError(f"cannot run the compiler {compiler}: {e.strerror}") from None
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["unknown error"])[0]
+            raise NativeBuildError(f"compiling {Path(source).name} failed ({isa} build): {first}")
+        os.replace(tmp, target)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _build_and_load(source: Path, isa: str) -> ctypes.CDLL:
+    compiler = _compiler()
+    target = build_path(source, isa, compiler)
+    if not target.exists():
+        compile_library(source, isa, target, compiler)
+    try:
+        lib = ctypes.CDLL(str(target))
     except OSError as e:
         raise NativeBuildError(f"cannot load {target}: {e}") from None
+    if hasattr(lib, "rwkvx_simd_bytes") and lib.rwkvx_simd_bytes() != SIMD_BYTES[isa]:
+        raise NativeBuildError(f"{target.name} has {lib.rwkvx_simd_bytes()}-byte vectors, not {isa}'s")
+    return lib
 
 
 def native_unavailable(library: Callable[[], ctypes.CDLL]) -> str | None:

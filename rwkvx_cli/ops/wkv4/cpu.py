@@ -1,5 +1,5 @@
 """WKV4 `cpu` backend: the fused C++ kernel of csrc/wkv4_cpu.cpp behind a
-torch.autograd.Function. OpenMP over batch x groups of 64 channels, SIMD over
+torch.autograd.Function. OpenMP over batch x groups of channels, SIMD over
 channels (a channel's recurrence is independent of every other's), fp32 state
 and math (fp64 for fp64 inputs), a state snapshot every CHUNK steps for the
 backward."""

@@ -1,6 +1,7 @@
 // Gated delta rule (gdn / kda) forward and backward on the CPU: one (batch, head)
 // per OpenMP task, the N x N state kept in cache, every inner loop a unit-stride
-// loop of 64-byte SIMD vectors.
+// loop of the SIMD vectors of csrc/simd.h, over blocks of columns whose
+// accumulators fit the register file of the ISA being compiled for.
 //
 // Layout: q, k, v [B, T, H, N]; A = exp(g) [B, T, H, G] with G = 1 (gdn: one gate
 // per head) or G = N (kda: one per key row), computed by the caller; beta
@@ -11,8 +12,8 @@
 // The forward runs on the key-major state, where each step is axpys over rows
 // with no horizontal sums (forward_head). The backward runs on the value-major
 // (transposed) state: column j of S evolves on its own, so the recomputation of
-// a step (from w = v - Pᵀk, which the forward saves) and the reverse scan are each
-// one sweep over the value rows, the scan with one horizontal sum per row (step,
+// a step (from w = v - Pᵀk, which the forward saves) is one sweep over the value
+// rows, and the reverse scan two, with one horizontal sum per row (step,
 // backward_head). The forward writes its snapshots [B, H, n_chunks, N, N] (the
 // state before the first step of each chunk) value-major, and the backward
 // recomputes each chunk from its snapshot. Threads take (batch, head) pairs
@@ -24,59 +25,22 @@
 #include <cstring>
 #include <vector>
 
+#include "../../csrc/simd.h"
+
 namespace {
 
-template <typename F>
-struct Vec {
-  typedef F type __attribute__((vector_size(64)));
-  static constexpr int L = 64 / sizeof(F);
-};
+constexpr int PF = 2;  // steps ahead to prefetch the forward's inputs
 
-template <typename F>
-inline typename Vec<F>::type load(const F* p) {
-  typename Vec<F>::type x;
-  std::memcpy(&x, p, sizeof(x));
-  return x;
-}
-
-template <typename F>
-inline void store(F* p, typename Vec<F>::type x) {
-  std::memcpy(p, &x, sizeof(x));
-}
-
-// Horizontal sum as a tree (64 -> 32 -> 16 -> 8 bytes, then two lanes), in registers
-// where the compiler has __builtin_shufflevector (GCC >= 12, clang).
-template <typename F>
-inline F hsum(typename Vec<F>::type x) {
-#if defined(__clang__) || (defined(__GNUC__) && __GNUC__ >= 12)
-  if constexpr (sizeof(F) == 4) {
-    typedef F V8 __attribute__((vector_size(32)));
-    typedef F V4 __attribute__((vector_size(16)));
-    typedef F V2 __attribute__((vector_size(8)));
-    const V8 a = __builtin_shufflevector(x, x, 0, 1, 2, 3, 4, 5, 6, 7) +
-                 __builtin_shufflevector(x, x, 8, 9, 10, 11, 12, 13, 14, 15);
-    const V4 b = __builtin_shufflevector(a, a, 0, 1, 2, 3) + __builtin_shufflevector(a, a, 4, 5, 6, 7);
-    const V2 c = __builtin_shufflevector(b, b, 0, 1) + __builtin_shufflevector(b, b, 2, 3);
-    return c[0] + c[1];
-  } else {
-    typedef F V4 __attribute__((vector_size(32)));
-    typedef F V2 __attribute__((vector_size(16)));
-    const V4 a = __builtin_shufflevector(x, x, 0, 1, 2, 3) + __builtin_shufflevector(x, x, 4, 5, 6, 7);
-    const V2 b = __builtin_shufflevector(a, a, 0, 1) + __builtin_shufflevector(a, a, 2, 3);
-    return b[0] + b[1];
-  }
-#else
-  F s = 0;
-  for (int l = 0; l < Vec<F>::L; l++) s += x[l];
-  return s;
-#endif
-}
+using simd::hsum;
+using simd::load;
+using simd::store;
+using simd::Vec;
 
 // Per-thread scratch, kept between calls: a fresh multi-page buffer per call costs
 // more in page faults than the work it holds. Zero-filled on request.
 template <typename F>
 F* scratch(int slot, int64_t n) {
-  static thread_local std::vector<F> buffers[2];
+  static thread_local std::vector<F> buffers[3];
   std::vector<F>& b = buffers[slot];
   if ((int64_t)b.size() < n) b.resize(n);
   std::fill(b.begin(), b.begin() + n, F(0));
@@ -135,17 +99,21 @@ struct KeyVecs {
 // The backward's recomputation of one step on the value-major state (row j = value
 // channel j, a vector over the keys), with w = v - m saved by the forward:
 //   S'_j = A ⊙ S_j + (β w_j) k
+// in blocks of QB column vectors, whose k and A stay in registers.
 template <typename F, int NV>
-inline void step(const F* prev, F* next, const KeyVecs<F, NV>& kv, const F* w, F beta, int N) {
+inline void step(const F* __restrict prev, F* __restrict next, const KeyVecs<F, NV>& kv, const F* __restrict w,
+                 F beta, int N) {
   typedef typename Vec<F>::type V;
-  constexpr int L = Vec<F>::L, NP = NV * L;
-  V kk[NV], av[NV];
-  for (int c = 0; c < NV; c++) kk[c] = kv.k[c], av[c] = kv.a[c];
-  for (int j = 0; j < N; j++) {
-    const F* __restrict p = prev + (int64_t)j * NP;
-    F* __restrict out = next + (int64_t)j * NP;
-    const F uj = beta * w[j];
-    for (int c = 0; c < NV; c++) store(out + c * L, av[c] * load(p + c * L) + uj * kk[c]);
+  constexpr int L = Vec<F>::L, NP = NV * L, QB = simd::block(NV, 2, 4);
+  for (int c0 = 0; c0 < NV; c0 += QB) {
+    V kk[QB], av[QB];
+    for (int c = 0; c < QB; c++) kk[c] = kv.k[c0 + c], av[c] = kv.a[c0 + c];
+    for (int j = 0; j < N; j++) {
+      const F* __restrict p = prev + (int64_t)j * NP + c0 * L;
+      F* __restrict out = next + (int64_t)j * NP + c0 * L;
+      const F uj = beta * w[j];
+      for (int c = 0; c < QB; c++) store(out + c * L, av[c] * load(p + c * L) + uj * kk[c]);
+    }
   }
 }
 
@@ -167,80 +135,91 @@ void unpad_rows(const F* src, F* dst, int N, int NP, bool transpose) {
 // The forward runs on the key-major state (row i = key channel, a vector over the
 // values), where every product is an axpy over rows and needs no horizontal sum:
 //   m = Σ_i (A_i k_i) S_i ;  u = β (v - m) ;  S_i = A_i S_i + k_i u ;  y = c Σ_i q_i S_i
-// Snapshots are written transposed (value-major), the layout the backward reads,
-// and w = v - m is saved for every step (the backward's recomputation then needs
-// no products with k, and dβ = w·du).
+// Value channels (columns) evolve independently, so a step is one sweep over the rows
+// per block of QB column vectors, with the block's u, y and the next step's m (formed
+// from the updated rows) in registers. Snapshots are written transposed (value-major),
+// the layout the backward reads, and w = v - m is saved for every step (the backward's
+// recomputation then needs no products with k, and dβ = w·du).
 template <typename F, int NV>
 void forward_head(const F* q, const F* k, const F* v, const F* A, const F* beta, const F* s0, F* y, F* sT,
                   F* snaps, F* w, int T, int N, int G, F scale, int chunk, Strides st) {
   typedef typename Vec<F>::type V;
-  constexpr int L = Vec<F>::L, NP = NV * L;
+  constexpr int L = Vec<F>::L, NP = NV * L, QB = simd::block(NV, 3, 6);
   const int gs = G == 1 ? 0 : 1;  // A_i = A[i * gs]
   F* S = scratch<F>(0, (int64_t)N * NP);
+  F* cn = scratch<F>(1, N);  // the next step's A_i k_i
   pad_rows(s0, S, N, NP, false);
+  V m[NV], wv[NV], yv[NV];
+  for (int c = 0; c < NV; c++) m[c] = V{};
+  for (int i = 0; i < N; i++) {
+    const F ci = A[i * gs] * k[i];
+    for (int c = 0; c < NV; c++) m[c] += ci * load(&S[(int64_t)i * NP + c * L]);
+  }
   for (int t = 0; t < T; t++) {
     if (t % chunk == 0) unpad_rows(S, snaps + (int64_t)(t / chunk) * N * N, N, NP, true);
+    if (t + PF < T) {
+      for (const F* x : {q, k, v}) simd::prefetch(x + (t + PF) * st.x, N);
+      simd::prefetch(A + (t + PF) * st.a, G);
+    }
     const F *qt = q + t * st.x, *kt = k + t * st.x, *At = A + t * st.a;
     const F bt = beta[t * st.b];
-    V m[NV], m_odd[NV], u[NV], acc[NV];
-    for (int c = 0; c < NV; c++) m[c] = m_odd[c] = acc[c] = V{};
-    for (int i = 0; i < N; i += 2) {  // two accumulators: half the dependency chain
-      const F* row = &S[(int64_t)i * NP];
-      const F w0 = At[i * gs] * kt[i], w1 = i + 1 < N ? At[(i + 1) * gs] * kt[i + 1] : F(0);
-      for (int c = 0; c < NV; c++) {
-        m[c] += w0 * load(row + c * L);
-        if (i + 1 < N) m_odd[c] += w1 * load(row + NP + c * L);
-      }
-    }
-    for (int c = 0; c < NV; c++) m[c] += m_odd[c], m_odd[c] = V{};
-    V wv[NV];
+    for (int i = 0; i < N; i++) cn[i] = t + 1 < T ? A[(t + 1) * st.a + i * gs] * k[(t + 1) * st.x + i] : F(0);
     load_row<F, NV>(v + t * st.x, N, wv);
-    for (int c = 0; c < NV; c++) {
-      wv[c] -= m[c];
-      u[c] = bt * wv[c];
-    }
+    for (int c = 0; c < NV; c++) wv[c] -= m[c];
     store_row<F, NV>(w + t * st.x, N, wv);
-    for (int i = 0; i < N; i += 2) {  // y in two accumulators too
-      F* row = &S[(int64_t)i * NP];
-      const F a0 = At[i * gs], k0 = kt[i], q0 = scale * qt[i];
-      for (int c = 0; c < NV; c++) {
-        const V x = a0 * load(row + c * L) + k0 * u[c];
-        store(row + c * L, x);
-        acc[c] += q0 * x;
-      }
-      if (i + 1 < N) {
-        const F a1 = At[(i + 1) * gs], k1 = kt[i + 1], q1 = scale * qt[i + 1];
-        for (int c = 0; c < NV; c++) {
-          const V x = a1 * load(row + NP + c * L) + k1 * u[c];
-          store(row + NP + c * L, x);
-          m_odd[c] += q1 * x;  // reused: the odd rows' share of y
+    for (int c0 = 0; c0 < NV; c0 += QB) {
+      V u[QB], acc[QB], mn[QB];
+      for (int c = 0; c < QB; c++) u[c] = bt * wv[c0 + c], acc[c] = mn[c] = V{};
+      for (int i = 0; i < N; i++) {
+        F* __restrict row = &S[(int64_t)i * NP + c0 * L];
+        const F ai = At[i * gs], ki = kt[i], qi = qt[i], ci = cn[i];
+        for (int c = 0; c < QB; c++) {
+          const V x = ai * load(row + c * L) + ki * u[c];
+          store(row + c * L, x);
+          acc[c] += qi * x;
+          mn[c] += ci * x;
         }
       }
+      for (int c = 0; c < QB; c++) yv[c0 + c] = scale * acc[c], m[c0 + c] = mn[c];
     }
-    for (int c = 0; c < NV; c++) acc[c] += m_odd[c];
-    store_row<F, NV>(y + t * st.x, N, acc);
+    store_row<F, NV>(y + t * st.x, N, yv);
   }
   unpad_rows(S, sT, N, NP, false);
 }
 
-// The reverse scan, one sweep over the value rows j of dSᵀ per step (dS_t on entry):
+// The reverse scan on the value rows j of dSᵀ (dS_t on entry), per step:
 //   x = dS_j + c dy_j q ;  du_j = k·x ;  dv_j = β du_j ;  dβ += w_j du_j ;  dm_j = -β du_j
 //   dq += c dy_j S_t,j ;  dk += u_j x + dm_j (A ⊙ S_{t-1},j)
 //   x += dm_j k (now dP_j) ;  dA += S_{t-1},j ⊙ x ;  dS_j = A ⊙ x
 // du_j is read before dm_j k is added: the order that makes dk and dS right. With
 // S_t,j = A ⊙ S_{t-1},j + u_j k, the sums over j factor as
 //   dq = c (A ⊙ Σ_j dy_j S_{t-1},j + (Σ_j dy_j u_j) k) ;  dk = Σ_j u_j x_j + A ⊙ Σ_j dm_j S_{t-1},j
-// so a row costs eight vector operations per 64 bytes.
+// Two sweeps over the rows: the first forms x (written back) and the row sums du_j,
+// RG rows at a time (their lanes reduced L rows at a time); the second runs over
+// blocks of QB column vectors, whose four column accumulators (dq, dk's two parts,
+// dA) stay in registers.
 template <typename F, int NV>
 void backward_head(const F* q, const F* k, const F* A, const F* beta, const F* snaps, const F* w, const F* dy,
                    const F* dsT, F* dq, F* dk, F* dv, F* dg, F* dbeta, F* ds0, int T, int N, int G, F scale,
                    int chunk, Strides st) {
   typedef typename Vec<F>::type V;
   constexpr int L = Vec<F>::L, NP = NV * L;
+  constexpr int RG = simd::block(16, 1, 6);  // rows per group of the first sweep
+  constexpr int QB = simd::block(NV, 4, 8);  // column vectors per block of the second
   const int64_t NNP = (int64_t)N * NP;
   const int n_chunks = (T + chunk - 1) / chunk;
   F *dS = scratch<F>(0, NNP), *states = scratch<F>(1, (int64_t)chunk * NNP);
+  F* rows = scratch<F>(2, 3 * (int64_t)(N + RG));  // per value row: c dy_j, u_j, dm_j
+  F *cdy = rows, *uu = rows + N + RG, *dm = rows + 2 * (N + RG);
+  std::vector<V> pu(N + RG);  // per value row: the lanes of du_j
   pad_rows(dsT, dS, N, NP, true);
+  auto prefetch_step = [&](int t) {
+    for (const F* x : {q, k, w, dy}) simd::prefetch(x + t * st.x, N);
+    for (const F* x : {dq, dk, dv}) simd::prefetch(x + t * st.x, N, true);
+    simd::prefetch(A + t * st.a, G);
+    simd::prefetch(dg + t * st.a, G, true);
+  };
+  for (int t = (n_chunks - 1) * chunk; t < T; t++) prefetch_step(t);
   for (int ch = n_chunks - 1; ch >= 0; ch--) {
     const int t0 = ch * chunk, len = std::min(chunk, T - t0);
     pad_rows(snaps + (int64_t)ch * N * N, states, N, NP, false);
@@ -251,53 +230,71 @@ void backward_head(const F* q, const F* k, const F* A, const F* beta, const F* s
     }
     for (int s = len - 1; s >= 0; s--) {
       const int t = t0 + s;
+      if (ch > 0) prefetch_step(t - chunk);  // the previous chunk's step s
       const KeyVecs<F, NV> kv(k + t * st.x, q + t * st.x, A + t * st.a, N, G);
       const F bt = beta[t * st.b];
       const F *prev = &states[(int64_t)s * NNP], *wt = w + t * st.x, *dyt = dy + t * st.x;
       F* dvt = dv + t * st.x;
-      // Local copies: stores through `row` could alias kv's members, which would force reloads.
-      V qv[NV], kk[NV], av[NV], acc_x[NV], acc_m[NV], acc_q[NV], acc_a[NV];
-      for (int c = 0; c < NV; c++) {
-        qv[c] = kv.q[c], kk[c] = kv.k[c], av[c] = kv.a[c];
-        acc_x[c] = acc_m[c] = acc_q[c] = acc_a[c] = V{};
-      }
       F db = 0, dyu = 0;
-      for (int j = 0; j < N; j++) {
-        const F* __restrict p = prev + (int64_t)j * NP;
-        F* __restrict row = &dS[(int64_t)j * NP];
-        const F cdy = scale * dyt[j], uj = bt * wt[j];
-        V x[NV], pu = V{};
+      for (int j0 = 0; j0 < N; j0 += RG) {
+        const int nr = std::min(RG, N - j0);
+        V pu_g[RG];
+        for (int g = 0; g < RG; g++) pu_g[g] = V{}, cdy[j0 + g] = g < nr ? scale * dyt[j0 + g] : F(0);
         for (int c = 0; c < NV; c++) {
-          x[c] = load(row + c * L) + cdy * qv[c];
-          pu += x[c] * kk[c];
+          const V qc = kv.q[c], kc = kv.k[c];
+          for (int g = 0; g < RG; g++) {
+            if (g >= nr) break;
+            F* __restrict row = &dS[(int64_t)(j0 + g) * NP + c * L];
+            const V x = load(row) + cdy[j0 + g] * qc;
+            store(row, x);
+            pu_g[g] += x * kc;
+          }
         }
-        const F du = hsum<F>(pu), dm = -bt * du;
+        for (int g = 0; g < RG; g++) pu[j0 + g] = pu_g[g];
+      }
+      int j = 0;
+      for (; j + L <= N; j += L) store(dm + j, simd::hsums<F>(&pu[j]));  // du, for now
+      for (; j < N; j++) dm[j] = hsum<F>(pu[j]);
+      for (j = 0; j < N; j++) {
+        const F du = dm[j];
+        uu[j] = bt * wt[j], dm[j] = -bt * du;
         dvt[j] = bt * du;
         db += wt[j] * du;
-        dyu += cdy * uj;
-        for (int c = 0; c < NV; c++) {
-          const V sp = load(p + c * L);
-          acc_q[c] += cdy * sp;
-          acc_x[c] += uj * x[c];
-          acc_m[c] += dm * sp;
-          const V dp = x[c] + dm * kk[c];
-          acc_a[c] += sp * dp;
-          store(row + c * L, av[c] * dp);
-        }
+        dyu += cdy[j] * uu[j];
       }
       dbeta[t * st.b] = db;
-      for (int c = 0; c < NV; c++) {
-        acc_x[c] += av[c] * acc_m[c];             // dk
-        acc_q[c] = av[c] * acc_q[c] + dyu * kk[c];  // dq
-        acc_a[c] *= av[c];                        // dg = A ⊙ dA
+      V dkv[NV], dqv[NV], dgv[NV];
+      for (int c0 = 0; c0 < NV; c0 += QB) {
+        V acc_x[QB], acc_m[QB], acc_q[QB], acc_a[QB];
+        for (int c = 0; c < QB; c++) acc_x[c] = acc_m[c] = acc_q[c] = acc_a[c] = V{};
+        for (int j = 0; j < N; j++) {
+          const F* __restrict p = prev + (int64_t)j * NP + c0 * L;
+          F* __restrict row = &dS[(int64_t)j * NP + c0 * L];
+          const F cj = cdy[j], uj = uu[j], mj = dm[j];
+          for (int c = 0; c < QB; c++) {
+            const V sp = load(p + c * L), x = load(row + c * L);
+            acc_q[c] += cj * sp;
+            acc_x[c] += uj * x;
+            acc_m[c] += mj * sp;
+            const V dp = x + mj * kv.k[c0 + c];
+            acc_a[c] += sp * dp;
+            store(row + c * L, kv.a[c0 + c] * dp);
+          }
+        }
+        for (int c = 0; c < QB; c++) {
+          const V av = kv.a[c0 + c];
+          dkv[c0 + c] = acc_x[c] + av * acc_m[c];
+          dqv[c0 + c] = av * acc_q[c] + dyu * kv.k[c0 + c];
+          dgv[c0 + c] = av * acc_a[c];  // dg = A ⊙ dA
+        }
       }
-      store_row<F, NV>(dk + t * st.x, N, acc_x);
-      store_row<F, NV>(dq + t * st.x, N, acc_q);
+      store_row<F, NV>(dk + t * st.x, N, dkv);
+      store_row<F, NV>(dq + t * st.x, N, dqv);
       if (G > 1) {
-        store_row<F, NV>(dg + t * st.a, N, acc_a);
+        store_row<F, NV>(dg + t * st.a, N, dgv);
       } else {  // gdn: one gate for all rows (the padded lanes are zero)
         V sum = V{};
-        for (int c = 0; c < NV; c++) sum += acc_a[c];
+        for (int c = 0; c < NV; c++) sum += dgv[c];
         dg[t * st.a] = hsum<F>(sum);
       }
     }

@@ -1,5 +1,5 @@
 // WKV4 forward and backward on the CPU: RWKV-LM v4neo's stabilised recurrence,
-// one OpenMP task per (batch, group of 64 channels), the group's state in SIMD
+// one OpenMP task per (batch, group of NV vectors of channels), the group's state in SIMD
 // registers for the whole sequence (channels are independent: no reductions).
 //
 // Layout: k, v, y, dk, dv [B, T, C] contiguous (C = H*N); w, u [C]; states and
@@ -29,15 +29,16 @@
 #include <cstring>
 #include <vector>
 
+#include "../../csrc/simd.h"
+
 namespace {
 
-template <typename F>
-struct Vec {
-  typedef F type __attribute__((vector_size(64)));
-  static constexpr int L = 64 / sizeof(F);
-};
+using simd::Vec;
 
-constexpr int NV = 4;  // vectors per task: 64 fp32 (32 fp64) channels, four independent chains in flight
+// Vectors per task: enough independent chains in flight to hide the exp's latency,
+// few enough that a task's state (w, u, aa, bb, pp: five vectors each) and the exp's
+// temporaries fit the register file: 4 with AVX-512's 32 registers, else 2.
+constexpr int NV = simd::kRegs >= 32 ? 4 : 2;
 
 // Loads and stores of the first n lanes (n > 0); the zero-filled tail lanes of a
 // partial group compute harmless finite values that are never stored.
@@ -59,35 +60,9 @@ inline void store(F* p, typename Vec<F>::type x, int n) {
     for (int l = 0; l < n; l++) p[l] = x[l];
 }
 
-// e^x for x <= 0 in fp32 (Cephes expf: x = n ln2 + r, degree-6 polynomial in r,
-// about 1 ulp), exactly 0 below -87.3 (pp = -1e38 gives e^{-1e38} = 0).
-inline Vec<float>::type vexp(Vec<float>::type x) {
-  typedef Vec<float>::type V;
-  typedef int VI __attribute__((vector_size(64)));
-  const V lo = V{} - 87.3365447504f;
-  const auto tiny = x < lo;
-  x = x < lo ? lo : x;
-  x = x > 0.0f ? V{} : x;
-  const V fx = x * 1.44269504088896341f + 0.5f;
-  V n = __builtin_convertvector(__builtin_convertvector(fx, VI), V);
-  n = n > fx ? n - 1.0f : n;  // floor
-  const V r = x - n * 0.693359375f + n * 2.12194440e-4f;
-  const V z = r * r;
-  V p = 1.9875691500e-4f * r + 1.3981999507e-3f;
-  p = p * r + 8.3334519073e-3f;
-  p = p * r + 4.1665795894e-2f;
-  p = p * r + 1.6666665459e-1f;
-  p = p * r + 5.0000001201e-1f;
-  p = p * z + r + 1.0f;
-  const VI bits = (__builtin_convertvector(n, VI) + 127) << 23;
-  const V res = p * (V)bits;
-  return tiny ? V{} : res;
-}
-
-// fp64 (the gradient checks): lane by lane with the C library.
-inline Vec<double>::type vexp(Vec<double>::type x) {
-  for (int l = 0; l < Vec<double>::L; l++) x[l] = std::exp(x[l]);
-  return x;
+template <typename V>
+inline V vexp(V x) {
+  return simd::exp_nonpos(x);
 }
 
 template <typename V>
