@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test gpu-check clean
+.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test test-slow gpu-check clean
 
 install: $(STAMP)
 
@@ -58,6 +58,10 @@ gpu-compile: $(TEST_STAMP)
 
 gpu-compile-test: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m gpu_compile tests/ops/test_compile_gate.py
+
+# The tests of many minutes each (the compile gate, torch.compile with a warm cache): CI runs them.
+test-slow: $(TEST_STAMP)
+	$(BIN)/python -m pytest -q -m "slow or gpu_compile"
 
 # On a GPU box: gradcheck every CUDA backend, bench wkv7 (fla's chunk_rwkv7 as a peer row
 # when FLA_WHEELS=<folder of fla wheels>), 200 bf16 training steps of configs/gpu-0.1b.yaml,

@@ -366,9 +366,7 @@ def test_a_second_sigterm_while_stopping_does_not_kill_the_save(tmp_path, corpus
 
 
 # -- 8. train.compile=true with a warm inductor cache ------------------------------------------------
-@pytest.mark.skipif(
-    not os.environ.get("RWKVX_SLOW_TESTS"), reason="compiles twice (minutes on CPU); set RWKVX_SLOW_TESTS=1"
-)
+@pytest.mark.slow  # compiles the model twice: minutes on CPU; run by `make test-slow` (CI)
 def test_compile_twice_with_a_warm_cache(tmp_path, corpus):
     """The second compile reads the first's cache: it crashed with "shape '[94238218782269, ...]' is
     invalid" from the AOTAutograd cache until runner.py turned that cache off under train.compile."""
