@@ -249,7 +249,7 @@ def render_bench(report, baseline: str) -> None:
         )
     print_wide(table)
     out.print(
-        "[dim]GFLOP/s counts each op's useful FLOPs (README: kernels); % peak divides by the matmul rate measured "
+        "[dim]GFLOP/s counts each op's useful FLOPs (docs/operators.md); % peak divides by the matmul rate measured "
         "above; mem = bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
     )
 
