@@ -173,9 +173,9 @@ def test_a_transient_non_finite_step_is_skipped_and_counted(tmp_path, corpus):
     trainer = Trainer(cfg, tmp_path / "run", new_model(cfg), data.train.tokens, data.val.tokens, data.tokenizer)
     forward = trainer.forward
 
-    def poisoned(x, state):  # step 3's logits are NaN
-        logits, new_state = forward(x, state)
-        return (logits * float("nan") if trainer.step == 2 else logits), new_state
+    def poisoned(x, state, *targets, **options):  # step 3's loss (or logits) is NaN
+        out, new_state = forward(x, state, *targets, **options)
+        return (out * float("nan") if trainer.step == 2 else out), new_state
 
     trainer.forward = poisoned
     events = []
