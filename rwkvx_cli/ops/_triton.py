@@ -104,3 +104,18 @@ def compute_empty(dtype: torch.dtype, device: torch.device) -> Callable[..., tor
 def cast_back(grads: Iterable[torch.Tensor], dtypes: Iterable[torch.dtype]) -> tuple[torch.Tensor, ...]:
     """Each gradient, computed in the compute dtype, in the dtype of the tensor it belongs to."""
     return tuple(g.to(dt) for g, dt in zip(grads, dtypes, strict=True))
+
+
+def fused_state_offsets(kernel: str, B: int, T: int, H: int, N: int) -> dict[str, int]:
+    """`check_offsets` for the fused recurrent kernels that keep an N x N state per (batch, head)
+    in row blocks (wkv7, gdn/kda): their inputs, snapshots, column partials and scratch."""
+    BK, BV, NV = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    buffers = {
+        "inputs": (B, T, H, N),
+        "state snapshots": (B, H, NC, N, N),
+        "column partials": (NV, B, T, H, N),
+        "scratch": (B * H * NV, CHUNK, BV, BK),
+    }
+    return check_offsets(kernel, buffers, tile=max(N * N, CHUNK * BV * BK))
+

@@ -30,6 +30,7 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     cast_back,
     check_offsets,
     compute_empty,
+    fused_state_offsets,
     prepare,
     state_blocks,
     tl,
@@ -155,17 +156,8 @@ if triton is not None:
 
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
-    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
-    cannot index."""
-    BK, BV, NVB = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
-    buffers = {
-        "inputs": (B, T, H, N),
-        "state snapshots": (B, H, NC, N, N),
-        "column partials": (NVB, B, T, H, N),
-        "scratch": (B * H * NVB, CHUNK, BK, BV),
-    }
-    return check_offsets("gdn/kda triton", buffers, tile=max(N * N, CHUNK * BK * BV))
+    """The largest offset into each buffer the kernels index; refuses sizes they cannot index."""
+    return fused_state_offsets("gdn/kda triton", B, T, H, N)
 
 
 class _DeltaTriton(torch.autograd.Function):

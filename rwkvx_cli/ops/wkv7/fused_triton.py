@@ -22,6 +22,7 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     cast_back,
     check_offsets,
     compute_empty,
+    fused_state_offsets,
     prepare,
     state_blocks,
     tl,
@@ -135,17 +136,8 @@ if triton is not None:
 
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
-    """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
-    cannot index."""
-    BK, BV, NV = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
-    buffers = {
-        "inputs": (B, T, H, N),
-        "state snapshots": (B, H, NC, N, N),
-        "column partials": (NV, B, T, H, N),
-        "scratch": (B * H * NV, CHUNK, BV, BK),
-    }
-    return check_offsets("wkv7 triton", buffers, tile=max(N * N, CHUNK * BV * BK))
+    """The largest offset into each buffer the kernels index; refuses sizes they cannot index."""
+    return fused_state_offsets("wkv7 triton", B, T, H, N)
 
 
 class _WKV7Triton(torch.autograd.Function):
