@@ -26,6 +26,7 @@ import importlib
 import inspect
 import io
 import json
+import multiprocessing
 import os
 import re
 import subprocess
@@ -237,6 +238,11 @@ def compile_launch(launch: Launch, target: int) -> Compiled:
         from triton.compiler import ASTSource
 
         kernel = getattr(importlib.import_module(launch.module), launch.kernel)
+        if not isinstance(kernel, triton.runtime.JITFunction):
+            raise RuntimeError(
+                f"{launch.kernel} was imported under TRITON_INTERPRET=1 ({type(kernel).__name__}); "
+                "compile in a process without it (compile_all does)"
+            )
         constants = {k: _resolve_constant(v) for k, v in launch.constants.items()}
         src = ASTSource(fn=kernel, signature=launch.signature, constexprs=constants)
         options = {"num_warps": launch.num_warps, "num_stages": launch.num_stages}
@@ -262,11 +268,23 @@ def _compile_job(args) -> dict:
     return asdict(compile_launch(Launch(**launch), target))
 
 
+@contextlib.contextmanager
+def _without_interpreter():
+    saved = os.environ.pop("TRITON_INTERPRET", None)
+    try:
+        yield
+    finally:
+        if saved is not None:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
 def compile_all(launches: list[Launch], targets=TARGETS, workers: int | None = None) -> list[Compiled]:
     """Every launch for every target, in parallel processes."""
     jobs = [(asdict(launch), t) for launch in launches for t in targets]
     workers = workers or max(1, min(len(jobs), os.cpu_count() or 1))
-    with ProcessPoolExecutor(max_workers=workers) as pool:
+    # Fresh (spawned) workers without TRITON_INTERPRET: a forked worker of a process that imported
+    # the kernels under the interpreter (the test suite does) holds interpreter objects, not kernels.
+    with _without_interpreter(), ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
         rows = list(pool.map(_compile_job, jobs))
     return [Compiled(**{**r, "launch": Launch(**r["launch"])}) for r in rows]
 

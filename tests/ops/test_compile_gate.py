@@ -55,5 +55,17 @@ def test_every_kernel_compiles_fits_and_keeps_its_spill_budget(launches):
 
 def test_a_broken_kernel_is_reported_not_raised():
     bad = Launch("rwkvx_cli.ops.wkv4.fused_triton", "_fwd_kernel", {"nope": "i32"}, {}, 4, 3, "planted")
-    r = compile_launch(bad, 90)
+    [r] = compile_all([bad], (90,), workers=1)
     assert not r.ok and r.error
+    assert "TRITON_INTERPRET" not in r.error  # failed in the compiler, not for want of a clean process
+
+
+def test_compiling_in_an_interpreter_process_says_why():
+    # This process imported the kernels under the interpreter (conftest sets it without a GPU).
+    import os
+
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        pytest.skip("needs the interpreter on, as on a machine without a GPU")
+    launch = Launch("rwkvx_cli.ops.wkv4.fused_triton", "_fwd_kernel", {}, {}, 4, 3, "planted")
+    r = compile_launch(launch, 90)
+    assert not r.ok and "TRITON_INTERPRET" in r.error
