@@ -7,6 +7,18 @@ prints (attention FLOPs not included). The time split comes from
 torch.profiler: the self time of every event inside a recurrence op (the ops'
 autograd functions, forward and backward, with the aten calls they make), of
 the other matmul calls, and of everything else.
+
+The step is the trainer's: the config's loss head (train.head, train.l2wrap),
+train.grad_cp and train.precision. Memory of one step, gradients freed before it
+as the trainer does: on CUDA from the caching allocator's peak, on the CPU from
+the profiler's record of every allocation and free (sum in time order, peak of
+the running total):
+
+    peak_mb        peak bytes allocated during the step above its start
+                   (the weights and optimizer state, allocated before, are not in it)
+    grads_mb       the parameters' gradients (part of that peak)
+    activation_mb  peak_mb - grads_mb: what the forward keeps for the backward,
+                   plus the backward's transient buffers
 """
 
 from __future__ import annotations
@@ -15,10 +27,13 @@ import time
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 
 from rwkvx_cli.bench import matmul_peak_gflops, sync
 from rwkvx_cli.config import load_config
 from rwkvx_cli.models import build_model, parameter_groups
+from rwkvx_cli.models.losses import L2Wrap
+from rwkvx_cli.train import precision
 from rwkvx_cli.train.run import model_summary
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
@@ -34,17 +49,27 @@ def _inside_recurrence(event) -> bool:
     return False
 
 
-def bench_model(config: Path, steps: int, device: torch.device) -> dict:
-    cfg = load_config(config)
-    model = build_model(cfg.model, cfg.train.seed).to(device)
-    opt = torch.optim.AdamW(parameter_groups(model, cfg.train.lr, cfg.train.weight_decay), lr=cfg.train.lr)
-    B, T = cfg.train.micro_batch, cfg.train.ctx_len
+def bench_model(config: Path, steps: int, device: torch.device, overrides: list[str] = ()) -> dict:
+    cfg = load_config(config, list(overrides))
+    tc = cfg.train
+    model = build_model(cfg.model, tc.seed).to(device)
+    model.grad_checkpointing = tc.grad_cp
+    mode = precision.resolve(tc.precision, device)
+    precision.set_matmul_precision(mode)
+    l2wrap = "rwkv7" in model.kinds if tc.l2wrap is None else tc.l2wrap
+    opt = torch.optim.AdamW(parameter_groups(model, tc.lr, tc.weight_decay), lr=tc.lr)
+    B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
 
     def step():
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=device.type == "cuda"):
-            loss, _ = model.loss(idx[:, :-1], idx[:, 1:])
+        with precision.autocast(mode, device):
+            if tc.head == "chunked":
+                loss, _ = model(idx[:, :-1], None, targets=idx[:, 1:], l2wrap=l2wrap)
+            else:
+                logits, _ = model(idx[:, :-1])
+                loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].reshape(-1))
+                loss = L2Wrap.apply(loss, logits) if l2wrap else loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -57,6 +82,7 @@ def bench_model(config: Path, steps: int, device: torch.device) -> dict:
     sync(device)
     step_s = (time.perf_counter() - start) / steps
 
+    memory = step_memory(step, model, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -79,7 +105,14 @@ def bench_model(config: Path, steps: int, device: torch.device) -> dict:
     mfu = tokens_per_s * summary["train_flops_per_token"] / (peak * 1e9) * 100
     return {
         "config": str(config),
+        "overrides": list(overrides),
         "device": str(device),
+        "precision": mode,
+        "grad_cp": tc.grad_cp,
+        "head": tc.head,
+        "batch": B,
+        "ctx_len": T,
+        **memory,
         "tokens_per_s": tokens_per_s,
         "step_ms": step_s * 1e3,
         "recurrence_pct": recurrence / total * 100,
@@ -91,3 +124,32 @@ def bench_model(config: Path, steps: int, device: torch.device) -> dict:
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
     }
+
+
+def step_memory(step, model: torch.nn.Module, device: torch.device) -> dict:
+    """Peak memory of one call of `step` (a training step that leaves the gradients freed), in MiB:
+    see the module docstring for what each figure holds."""
+    grads = sum(p.numel() * p.element_size() for p in model.parameters() if p.requires_grad) / 2**20
+    if device.type == "cuda":
+        sync(device)
+        start = torch.cuda.memory_allocated(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        sync(device)
+        peak = (torch.cuda.max_memory_allocated(device) - start) / 2**20
+    else:
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+            step()
+        peak = cpu_peak_bytes(prof.events()) / 2**20
+    return {"peak_mb": peak, "grads_mb": grads, "activation_mb": max(peak - grads, 0.0)}
+
+
+def cpu_peak_bytes(events) -> int:
+    """Peak of the running total of CPU allocations in a memory profile: each op's net allocation
+    (its self memory) and each free ("[memory]" events), in time order."""
+    current = peak = 0
+    for e in sorted(events, key=lambda e: e.time_range.start):
+        if e.device_type == torch.autograd.DeviceType.CPU:
+            current += e.self_cpu_memory_usage
+            peak = max(peak, current)
+    return peak

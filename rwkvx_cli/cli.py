@@ -43,7 +43,9 @@ def reports_errors(fn):
         try:
             return fn(*args, **kwargs)
         except RwkvxError as e:
-            err.print(f"[bold red]error:[/] {e}", soft_wrap=True)
+            from rich.markup import escape  # a message may hold brackets: pip install 'rwkvx[wandb]'
+
+            err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except Terminated:  # SIGTERM outside training's graceful stop (start-up)
             err.print("[bold red]terminated[/]")
@@ -240,12 +242,44 @@ def eval_cmd(
     temperature: Annotated[float, typer.Option(min=0.0)] = 1.0,
     top_p: Annotated[float, typer.Option("--top-p", min=0.0, max=1.0)] = 0.85,
     seed: Annotated[int, typer.Option(min=0, max=2**63 - 1)] = 0,
+    tasks: Annotated[
+        str | None, typer.Option("--tasks", help="lm-eval tasks to run instead, e.g. lambada_openai,hellaswag.")
+    ] = None,
+    limit: Annotated[
+        float | None, typer.Option("--limit", min=0.0, help="--tasks: at most N examples per task (<1: a fraction).")
+    ] = None,
+    batch_size: Annotated[int, typer.Option("--batch-size", min=1, help="--tasks: sequences per forward.")] = 16,
+    num_fewshot: Annotated[
+        int | None, typer.Option("--num-fewshot", min=0, help="--tasks: few-shot examples (default: each task's).")
+    ] = None,
+    include_path: Annotated[
+        Path | None, typer.Option("--include-path", help="--tasks: a directory of extra task YAMLs.")
+    ] = None,
+    output: Annotated[
+        Path | None, typer.Option("--output", help="--tasks: also write the results as JSON here.")
+    ] = None,
+    bootstrap_iters: Annotated[
+        int, typer.Option("--bootstrap-iters", min=0, help="--tasks: bootstrap samples for stderrs (0: none).")
+    ] = 100_000,
 ) -> None:
-    """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text."""
+    """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text.
+    With --tasks, lm-evaluation-harness tasks instead (docs/eval.md; pip install 'rwkvx[eval]')."""
+    if tasks is not None:
+        if generate_prompt is not None:
+            raise UsageError("--generate and --tasks do not go together; run them separately")
+        harness = dict(limit=limit, batch_size=batch_size, num_fewshot=num_fewshot, include_path=include_path)
+        harness["bootstrap_iters"] = bootstrap_iters
+        _eval_tasks(checkpoint, tasks, data_dir, output, json_out, seed=seed, **harness)
+        return
+    task_only = {"--limit": limit, "--num-fewshot": num_fewshot, "--include-path": include_path, "--output": output}
+    for name, value in task_only.items():
+        if value is not None:
+            raise UsageError(f"{name} goes with --tasks")
     from rwkvx_cli.config import config_from_dict
     from rwkvx_cli.models import LM
     from rwkvx_cli.train import checkpoint as ck
     from rwkvx_cli.train.loop import evaluate, pick_device
+    from rwkvx_cli.train.precision import resolve as resolve_precision
     from rwkvx_cli.train.run import check_same_tokenizer, open_data
 
     if generate_prompt is not None:
@@ -270,7 +304,9 @@ def eval_cmd(
         read_prepared_meta(data.data_dir, tokenizer.vocab_size)
     start = time.perf_counter()
     t = cfg.train
-    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, tokenizer)
+    # The run's train.precision, as its validation ran (fp32 where this device cannot run it)
+    mode = resolve_precision(t.precision, device, fallback=True)
+    ev = evaluate(model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, device, tokenizer, mode)
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = meta["step"]
     ev["checkpoint"] = str(path)
@@ -288,6 +324,25 @@ def eval_cmd(
     )
     if "sample" in ev:
         out.print(ev["sample"], markup=False)
+
+
+def _eval_tasks(checkpoint: Path, tasks: str, data_dir, output: Path | None, json_out: bool, **options) -> None:
+    from rwkvx_cli.evaluation.harness import run_tasks
+
+    start = time.perf_counter()
+    scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=_warn_skipped, **options)
+    if output is not None:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        output.write_text(json.dumps(scores.summary, indent=2) + "\n")
+    if json_out:
+        out.print_json(json.dumps(scores.summary))
+    else:
+        out.print(f"step {scores.step} ({scores.checkpoint}), {time.perf_counter() - start:.1f} s:", markup=False)
+        for task, metric, value, stderr in scores.rows:
+            pm = f" ± {stderr:.2g}" if stderr is not None else ""
+            out.print(f"  {task:<28} {metric:<16} {value:.4g}{pm}", markup=False)
+    if output is not None:
+        err.print(f"wrote {output}", markup=False)
 
 
 @app.command()
@@ -360,6 +415,9 @@ def bench(
     device: Annotated[str, typer.Option(help="auto, cpu or cuda.")] = "auto",
     model: Annotated[Path | None, typer.Option("--model", help="Bench training steps of this config instead.")] = None,
     steps: Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")] = 5,
+    override: Annotated[
+        list[str] | None, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")
+    ] = None,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
@@ -374,10 +432,12 @@ def bench(
     if device == "cuda" and not torch.cuda.is_available():
         raise UsageError("--device cuda: no CUDA device is available here")
     dev = pick_device(device)
+    if override and model is None:
+        raise UsageError("--set overrides a --model config; pass --model CFG")
     if model is not None:
         from rwkvx_cli.bench_model import bench_model
 
-        result = bench_model(model, steps, dev)
+        result = bench_model(model, steps, dev, override or [])
         render_model_bench(result)
         _write_json(json_path, result)
         return

@@ -52,6 +52,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 # Block kinds a layer pattern may use: the time mix of each (the channel mix is RWKV's).
 LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
 
+# train.precision (train/precision.py): auto = bf16-mixed on CUDA, fp32 on the CPU.
+PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
+
 
 @dataclass
 class ModelConfig:
@@ -142,6 +145,9 @@ class TrainConfig:
     # draws windows uniformly with replacement. (TBPTT reads consecutive streams; data.mix is per epoch.)
     sampler: str = "epoch"
     device: str = "auto"  # auto, cpu, cuda
+    # Numeric precision (PRECISIONS): fp32; bf16-mixed (bf16 autocast over fp32 master weights, CUDA
+    # or CPU); tf32 (fp32 with TF32 matmuls, CUDA only); auto = bf16-mixed on CUDA, fp32 on the CPU.
+    precision: str = "auto"
     compile: bool = False
     # The loss head: "chunked" computes the head's matmul and cross-entropy in chunks of rows, so
     # the [B, T, vocab] fp32 logits never exist whole; "full" materialises them (the plain path).
@@ -162,6 +168,20 @@ class TrainConfig:
     # Start from these weights instead of the seeded init: a checkpoint or run directory,
     # a .safetensors file, or an RWKV-LM .pth state dict (loaded with weights_only=True).
     init_from: str = ""
+    # Without a terminal (nohup, SLURM, a pipe): one plain progress line every log_interval steps
+    # (and the last); on a terminal the live view shows every step.
+    log_interval: int = 10  # steps
+    # Where each step's metrics go (rank 0): "jsonl" (<run>/metrics.jsonl), "tensorboard"
+    # (<run>/tensorboard/), "wandb" (<run>/wandb/; WANDB_MODE=offline works without a network).
+    loggers: list[str] = field(default_factory=lambda: ["jsonl"])
+    wandb_project: str = "rwkvx"
+    wandb_name: str = ""  # "" = the run directory's name
+    # [a, b]: a torch.profiler Chrome trace of steps a..b in <run>/profile/ ([] = off).
+    profile_steps: list[int] = field(default_factory=list)
+
+
+# The sinks train.loggers may name (train/loggers.py).
+LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 
 @dataclass
@@ -216,6 +236,7 @@ class Config:
             (t.eval_interval >= 1, "train.eval_interval", "must be >= 1"),
             (t.ckpt_interval >= 1, "train.ckpt_interval", "must be >= 1"),
             (t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda"),
+            (t.precision in PRECISIONS, "train.precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}"),
             (t.distributed in ("ddp", "fsdp"), "train.distributed", "must be ddp or fsdp"),
             (t.nonfinite in ("stop", "skip"), "train.nonfinite", "must be stop or skip"),
             (t.nonfinite_limit >= 1, "train.nonfinite_limit", "must be >= 1"),
@@ -225,11 +246,26 @@ class Config:
             (t.head in ("chunked", "full"), "train.head", "must be chunked or full"),
             (d.eod_id >= 0, "data.eod_id", "must be >= 0"),
             (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
+            (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}: {why}")
+        self._validate_logging()
         self._validate_sources(written)
+
+    def _validate_logging(self) -> None:
+        t = self.train
+        for name in t.loggers:
+            if name not in LOGGERS:
+                raise ConfigError(f"train.loggers: unknown logger {name!r}{_nearest(name, list(LOGGERS))}")
+        if len(set(t.loggers)) != len(t.loggers):
+            raise ConfigError(f"train.loggers: {t.loggers} names a logger twice")
+        p = t.profile_steps
+        if p and (len(p) != 2 or not 1 <= p[0] <= p[1]):
+            raise ConfigError(f"train.profile_steps: {p} must be [a, b], two steps with 1 <= a <= b (or [] for off)")
+        if p and p[1] > self.total_steps:
+            raise ConfigError(f"train.profile_steps: step {p[1]} is past the run's last step ({self.total_steps})")
 
     def _validate_sources(self, written: Collection[str]) -> None:
         """data.corpus, data.binidx and data.mix are three ways to give the training data: one at a time."""

@@ -81,7 +81,9 @@ def training_bytes(cfg, device: torch.device) -> tuple[float, str]:
     and the sampled batch of token ids."""
     t, m = cfg.train, cfg.model
     params = parameter_count(m)
-    act_bytes = 2 if device.type == "cuda" else 4  # bf16 autocast on cuda
+    from rwkvx_cli.train.precision import resolve
+
+    act_bytes = 2 if resolve(t.precision, device, fallback=True) == "bf16-mixed" else 4  # bf16 autocast
     tokens = t.micro_batch * t.ctx_len
     # fp32 logits (or their fp32 copy under autocast) and log-softmax's saved output; each block's input.
     activations = tokens * (2 * m.vocab_size * 4 + len_layers(m) * m.n_embd * act_bytes)

@@ -112,6 +112,37 @@ def print_summary(summary: dict, run_dir: Path) -> None:
     out.print(f"run directory: {run_dir}")
 
 
+def eta_seconds(m, total_steps: int) -> float:
+    """Seconds left at this session's rate: the tokens still to train over tokens/s."""
+    if not m.tokens:
+        return 0.0
+    return (total_steps * m.tokens / m.step - m.tokens) / max(m.tokens_per_s, 1e-9)
+
+
+def fmt_duration(seconds: float) -> str:
+    s = int(round(seconds))
+    if s < 60:
+        return f"{s}s"
+    if s < 3600:
+        return f"{s // 60}m{s % 60:02d}s"
+    return f"{s // 3600}h{s % 3600 // 60:02d}m"
+
+
+def fmt_mfu(m) -> str:
+    mfu = getattr(m, "mfu_pct", None)
+    return "–" if mfu is None or mfu != mfu else f"{mfu:.1f}%"
+
+
+def progress_line(m, total_steps: int) -> str:
+    """One plain line of training progress (no terminal: log files, pipes, batch jobs)."""
+    val = f" · val loss {m.val_loss:.4f} ({m.val_bpb:.3f} bpb)" if m.val_loss is not None else ""
+    return (
+        f"step {m.step}/{total_steps} · loss {m.loss:.4f}{val} · lr {m.lr:.2e} · grad norm {m.grad_norm:.3f} · "
+        f"{m.tokens_per_s:,.0f} tokens/s · MFU {fmt_mfu(m)} · ETA {fmt_duration(eta_seconds(m, total_steps))} · "
+        f"peak mem {m.peak_mem_mb:,.0f} MiB · epoch {m.epoch}"
+    )
+
+
 class TrainView:
     def __init__(self, total_steps: int):
         self.total, self.m, self.ema, self.val, self.ckpt = total_steps, None, None, None, None
@@ -134,20 +165,22 @@ class TrainView:
             return table
         m = self.m
         rate = m.tokens_per_s
-        eta = m.tokens and (self.total * m.tokens / m.step - m.tokens) / max(rate, 1e-9)
+        eta = eta_seconds(m, self.total)
         val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
         bar = ProgressBar(total=self.total, completed=m.step, width=40)
         table.add_row(bar, f"step {m.step}/{self.total}", "epoch", f"{m.epoch}")
         table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
         table.add_row("lr", f"{m.lr:.2e}", "grad norm", f"{m.grad_norm:.3f}")
         table.add_row("tokens/s", f"{rate:,.0f}", "ETA", f"{eta:,.0f}s")
+        table.add_row("MFU", fmt_mfu(m), "", "")
         table.add_row("peak mem", f"{m.peak_mem_mb:,.0f} MiB", "checkpoint", f"step {self.ckpt}" if self.ckpt else "–")
         return table
 
 
 class TrainConsole:
-    """Renders `rwkvx train`: the events of train/runner.py's run_training while it runs (a live
-    view of the steps on rank 0), then its result. A context manager: the live view ends on exit."""
+    """Renders `rwkvx train`: the events of train/runner.py's run_training while it runs (on rank 0,
+    a live view of the steps on a terminal; else a plain line every train.log_interval steps and the
+    last), then its result. A context manager: the live view ends on exit."""
 
     def __init__(self, cfg, dist):
         self.cfg, self.dist = cfg, dist
@@ -171,6 +204,8 @@ class TrainConsole:
                 err.print(line)
         elif kind == "start":
             self._start(payload)
+        elif kind == "profile":
+            out.print(f"profile trace written: {payload}", markup=False, soft_wrap=True)
         elif kind == "skipped":
             m = payload
             err.print(
@@ -181,6 +216,10 @@ class TrainConsole:
             self.view.update(kind, payload)
             if self.live is not None:
                 self.live.update(self.view.render())
+            elif kind == "step" and self.dist.is_main and not out.is_terminal:
+                m, total = payload, self.cfg.total_steps
+                if m.step % self.cfg.train.log_interval == 0 or m.step == total:
+                    out.print(progress_line(m, total), markup=False, soft_wrap=True)  # one line per entry
 
     def _start(self, start) -> None:
         cfg, dist, summary = self.cfg, self.dist, start.summary
@@ -189,7 +228,7 @@ class TrainConsole:
             f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {start.device}{ranks}: "
             f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {Path(cfg.run_dir)}"
         )
-        if dist.is_main:
+        if dist.is_main and out.is_terminal:  # piped: rich would show only the last frame
             from rich.live import Live
 
             self.live = Live(self.view.render(), console=out, refresh_per_second=4, transient=False)
@@ -197,8 +236,6 @@ class TrainConsole:
 
     def finish(self, result) -> None:
         """The outcome lines, after the live view has ended."""
-        if not out.is_terminal:
-            out.print()  # the final live frame ends without a newline when piped
         if result.last is None:
             out.print("nothing to do: the run is already complete")
             return
@@ -255,7 +292,12 @@ def render_bench(report, baseline: str) -> None:
 
 
 def render_model_bench(r: dict) -> None:
-    table = Table(title=f"bench --model {r['config']} · {r['device']}", title_justify="left")
+    sets = "".join(f" {o}" for o in r.get("overrides", ()))
+    title = (
+        f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
+        f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}"
+    )
+    table = Table(title=title, title_justify="left")
     table.add_column("figure")
     table.add_column("value", justify="right")
     for key, label in (
@@ -267,6 +309,9 @@ def render_model_bench(r: dict) -> None:
         ("train_flops_per_token", "train FLOPs / token"),
         ("matmul_gflops", "matmul peak GFLOP/s"),
         ("mfu_pct", "MFU %"),
+        ("peak_mb", "peak memory of a step MiB"),
+        ("grads_mb", "  of which gradients MiB"),
+        ("activation_mb", "  activations + transients MiB"),
     ):
         val = r[key]
         table.add_row(label, f"{val:,.1f}" if isinstance(val, float) else f"{val:,}")

@@ -4,6 +4,7 @@ the numbers by people, never asserted.)"""
 
 import json
 
+import pytest
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
@@ -58,3 +59,34 @@ def test_bench_model(tmp_path):
     assert data["tokens_per_s"] > 0 and 0 < data["mfu_pct"] < 100
     assert abs(data["recurrence_pct"] + data["matmul_pct"] + data["other_pct"] - 100) < 1e-6
     assert data["recurrence_pct"] > 0 and data["matmul_pct"] > 0
+
+
+def test_bench_model_memory_follows_grad_cp_and_the_head(tmp_path):
+    """The step's memory figures: recomputing the blocks keeps less, and so does the chunked head."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text(
+        "model: {n_layer: 4, n_embd: 64, head_size: 32, vocab_size: 4096}\ntrain: {ctx_len: 256, micro_batch: 2}\n"
+    )
+    figures = {}
+    for name, sets in (
+        ("plain", ["train.head=full"]),
+        ("grad_cp", ["train.head=full", "train.grad_cp=true"]),
+        ("chunked", ["train.head=chunked"]),
+    ):
+        path = tmp_path / f"{name}.json"
+        args = ["bench", "--model", str(cfg), "--steps", "1", "--json", str(path)]
+        result = runner.invoke(app, args + [x for s in sets for x in ("--set", s)])
+        assert result.exit_code == 0, result.output
+        figures[name] = json.loads(path.read_text())
+    plain = figures["plain"]
+    # the gradients: every parameter once, fp32
+    assert plain["grads_mb"] * 2**20 == pytest.approx(4 * (2 * 4096 * 64 + 4 * 64 * 64 * 12), rel=0.2)
+    assert plain["peak_mb"] >= plain["grads_mb"] > 0
+    assert figures["grad_cp"]["grad_cp"] and figures["grad_cp"]["activation_mb"] < 0.6 * plain["activation_mb"]
+    # full logits: [2, 256, 4096] fp32 and their gradient, at least 16 MiB that the chunked head never holds
+    assert figures["chunked"]["activation_mb"] < plain["activation_mb"] - 8
+
+
+def test_bench_set_needs_a_model():
+    result = runner.invoke(app, ["bench", "--set", "train.grad_cp=true"])
+    assert result.exit_code == 2 and "--set" in result.stderr

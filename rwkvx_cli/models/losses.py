@@ -53,16 +53,20 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh[lo : lo + rows_per_chunk] = dz @ w_acc
             if dw is not None:
                 dw.addmm_(dz.t(), hc.to(acc))
-        ctx.save_for_backward(dh, dw)
+        # Kept on ctx rather than saved: backward scales them in place and hands them on as the
+        # gradients, so the head never holds a second [V, C] buffer (one backward per forward).
+        ctx.grads = (dh, dw)
         ctx.dtypes = (h.dtype, weight.dtype)
         return total / M
 
     @staticmethod
     def backward(ctx, grad):
-        dh, dw = ctx.saved_tensors
+        if ctx.grads is None:
+            raise RuntimeError("the chunked loss head supports one backward pass per forward (no retain_graph)")
+        (dh, dw), ctx.grads = ctx.grads, None
         h_dtype, w_dtype = ctx.dtypes
-        gh = (dh * grad).to(h_dtype) if ctx.needs_input_grad[0] else None
-        gw = (dw * grad).to(w_dtype) if dw is not None else None
+        gh = dh.mul_(grad).to(h_dtype) if ctx.needs_input_grad[0] else None
+        gw = dw.mul_(grad).to(w_dtype) if dw is not None else None
         return gh, gw, None, None, None
 
 
@@ -71,7 +75,8 @@ def linear_cross_entropy(
 ) -> torch.Tensor:
     """Mean cross-entropy of `h @ weight.T` against `targets` (h [..., C], weight [V, C], targets [...]),
     computed in chunks of `rows` rows (default: ~64 MiB of fp32 logits each), with RWKV-LM's L2Wrap
-    gradient when `l2wrap`. The peak extra memory is one chunk of logits plus fp32 gradients of h and W."""
+    gradient when `l2wrap`. The peak extra memory is one chunk of logits plus fp32 gradients of h and W
+    (which become the gradients: fp32 parameters get no second copy)."""
     h2 = h.reshape(-1, h.shape[-1])
     y = targets.reshape(-1).to(torch.int64)
     if h2.shape[0] != y.shape[0]:

@@ -81,23 +81,32 @@ def barrier() -> None:
         dist.barrier()
 
 
-def wrap(model: torch.nn.Module, mode: str, device: torch.device) -> torch.nn.Module:
+def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str = "fp32") -> torch.nn.Module:
     """The module the training step calls. DDP returns a wrapper; FSDP2 shards `model` in place
-    (each block, then the root), so `model` itself becomes the sharded module."""
+    (each block, then the root), so `model` itself becomes the sharded module; under bf16-mixed
+    (`precision`, resolved: train/precision.py) with bf16 compute parameters, fp32 gradient
+    reduction and fp32 sharded master weights."""
     if not active():
         return model
     if mode == "fsdp":
-        from torch.distributed.fsdp import fully_shard
+        try:
+            from torch.distributed.fsdp import fully_shard
+        except ImportError:  # torch < 2.6
+            from torch.distributed._composable.fsdp import fully_shard
+        from rwkvx_cli.train.precision import fsdp_policy
 
+        policy = fsdp_policy(precision)
+        kwargs = {} if policy is None else {"mp_policy": policy}
         for block in model.blocks:
-            fully_shard(block)
-        fully_shard(model)
+            fully_shard(block, **kwargs)
+        fully_shard(model, **kwargs)
         return model
     from torch.nn.parallel import DistributedDataParallel
 
-    # find_unused_parameters: layer 0 keeps RWKV-LM's value-residual weights (att.v0/v1/v2) without using them.
+    # Every parameter that requires a gradient gets one in each step (layer 0's unused value-residual
+    # weights att.v0/v1/v2 are frozen: models/layers/rwkv7.py), so DDP needs no find_unused_parameters.
     ids = [device.index] if device.type == "cuda" else None
-    return DistributedDataParallel(model, device_ids=ids, find_unused_parameters=True)
+    return DistributedDataParallel(model, device_ids=ids)
 
 
 def grad_sync(wrapped: torch.nn.Module, mode: str, sync: bool):
@@ -211,5 +220,5 @@ def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_stat
             "state": {names[int(i)]: st for i, st in optim_state["state"].items()},
             "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in groups],
         }
-        # Not strict: parameters that never get a gradient (layer 0's att.v0/v1/v2) have no state.
+        # Not strict: parameters that never get a gradient (layer 0's frozen att.v0/v1/v2) have no state.
         set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))

@@ -29,11 +29,13 @@ from rwkvx_cli.data.sampler import (
 from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.models import LM, parameter_groups
 from rwkvx_cli.models.losses import L2Wrap
-from rwkvx_cli.train import distributed
+from rwkvx_cli.train import distributed, precision
 from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
+from rwkvx_cli.train.loggers import Sinks, matmul_peak, mfu_pct
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
-from rwkvx_cli.train.run import checkpoints_dir, metrics_path
+from rwkvx_cli.train.profiling import StepProfiler
+from rwkvx_cli.train.run import checkpoints_dir, metrics_path, model_summary
 from rwkvx_cli.train.schedule import lr_at
 
 
@@ -72,9 +74,12 @@ def peak_memory_mb(device: torch.device) -> float:
 
 
 @torch.no_grad()
-def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, device, tokenizer) -> dict:
+def evaluate(
+    model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, device, tokenizer, mode: str = "fp32"
+) -> dict:
     """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
-    bits per byte over exactly the UTF-8 bytes of the tokens it predicted."""
+    bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
+    under the resolved precision `mode` (train/precision.py), as training does."""
     model.eval()
     total, count = 0.0, 0
     xs, ys = [], []
@@ -82,7 +87,8 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, devic
     def flush():
         nonlocal total, count
         x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
-        loss, _ = model.loss(x, y)
+        with precision.autocast(mode, x.device):
+            loss, _ = model.loss(x, y)
         total += loss.item() * y.numel()
         count += y.numel()
         xs.clear()
@@ -151,7 +157,10 @@ class Trainer:
             {**g, "params": [names[id(p)] for p in g["params"]]}
             for g in parameter_groups(self.model, t.lr, t.weight_decay)
         ]
-        self.wrapped = distributed.wrap(self.model, t.distributed, self.device)
+        # train.precision resolved for this device (a mode it cannot run is a one-line ConfigError)
+        self.precision = precision.resolve(t.precision, self.device)
+        precision.set_matmul_precision(self.precision)
+        self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
         params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
             [{**g, "params": [params[n] for n in g["params"]]} for g in groups], lr=t.lr, betas=t.betas, eps=t.eps
@@ -162,7 +171,8 @@ class Trainer:
         self.step = 0
         self.skipped_steps = 0
         self.nonfinite_in_row = 0
-        self.metrics = MetricsLog(metrics_path(self.run_dir), enabled=dist.is_main)
+        self.metrics = MetricsLog(metrics_path(self.run_dir), enabled=dist.is_main and "jsonl" in t.loggers)
+        self.sinks = Sinks(cfg, self.run_dir, self.metrics, is_main=dist.is_main)  # train.loggers
         self.checkpoints = CheckpointManager(
             checkpoints_dir(self.run_dir),
             cfg,
@@ -171,7 +181,7 @@ class Trainer:
             self.micro,
             dist,
             self.device,
-            before_save=self.metrics.sync,
+            before_save=self.sinks.sync,
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.model.grad_checkpointing = t.grad_cp
@@ -219,7 +229,7 @@ class Trainer:
             weight = (rows.stop - rows.start) / rank_rows
             last = micro == len(self.micro) - 1
             with distributed.grad_sync(self.wrapped, t.distributed, sync=last):
-                with torch.autocast("cuda", dtype=torch.bfloat16, enabled=self.device.type == "cuda"):
+                with precision.autocast(self.precision, self.device):
                     loss, state = self._loss(x[rows], y[rows], self.carry[micro])
                 if t.tbptt:
                     self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
@@ -268,15 +278,24 @@ class Trainer:
         self, on_event: Callable[[str, StepMetrics], None] | None = None, should_stop=lambda: False
     ) -> StepMetrics | None:
         """Train to the end (or until `should_stop()` is true on any rank: then checkpoint and return).
-        Events: "step", "skipped" (a non-finite step that was not applied), "checkpoint".
+        Events: "step", "skipped" (a non-finite step that was not applied), "checkpoint", and
+        "profile" (the path of the trace train.profile_steps asked for, once written).
         Returns the last step's metrics; None when the run was already complete."""
         cfg, t = self.cfg, self.cfg.train
         total_steps = cfg.total_steps
+        if self.step >= total_steps:
+            return None  # already complete: no sink opened (a wandb run), no probe
+        # MFU as `rwkvx bench --model` computes it; the matmul peak is probed once, before timing starts.
+        peak = matmul_peak(self.device, self.precision)
+        flops_per_token = model_summary(self.model)["train_flops_per_token"]
+        profiler = StepProfiler(self.run_dir, t.profile_steps, self.device, self.dist.rank, self.dist.world_size)
         start, start_step = time.perf_counter(), self.step
         last = None
-        with self.metrics:
+        self.sinks.start_step = self.step
+        with self.sinks, profiler:
             while self.step < total_steps:
-                loss, lr, norm, applied = self.train_step()
+                with profiler.step(self.step + 1):
+                    loss, lr, norm, applied = self.train_step()
                 elapsed = time.perf_counter() - start
                 done = (self.step - start_step) * cfg.tokens_per_step
                 last = StepMetrics(
@@ -292,12 +311,15 @@ class Trainer:
                     skipped_steps=self.skipped_steps,
                     epoch=self.sampler.epoch(self.step - 1),
                 )
+                last.mfu_pct = mfu_pct(last.tokens_per_s, flops_per_token, peak, self.dist.world_size)
                 if self.step % t.eval_interval == 0 or self.step == total_steps:
                     ev = self.validate()
                     last.val_loss, last.val_bpb = ev["loss"], ev["bpb"]
-                self.metrics.append(last)
+                self.sinks.log(last)
                 if on_event:
                     on_event("step" if applied else "skipped", last)
+                    if (trace := profiler.take_written()) is not None:
+                        on_event("profile", trace)
                 stopping = distributed.any_rank(should_stop(), self.device)
                 saved = self.checkpoints.maybe_save(
                     self.step,
@@ -310,11 +332,20 @@ class Trainer:
                     on_event("checkpoint", last)
                 if stopping:
                     break
+        if on_event and (trace := profiler.take_written()) is not None:  # the loop ended inside the range
+            on_event("profile", trace)
         return last
 
     def validate(self) -> dict:
         """Validation loss and bits per byte (every rank computes the same; FSDP needs them all)."""
         t = self.cfg.train
         return evaluate(
-            self.model, self.val_tokens, t.ctx_len, t.micro_batch, t.eval_tokens, self.device, self.tokenizer
+            self.model,
+            self.val_tokens,
+            t.ctx_len,
+            t.micro_batch,
+            t.eval_tokens,
+            self.device,
+            self.tokenizer,
+            self.precision,
         )

@@ -31,6 +31,9 @@ class StepMetrics:
     skipped: bool = False  # this step's loss or gradient was not finite and it was not applied
     skipped_steps: int = 0  # such steps so far in the run
     epoch: int = 0  # the pass over the training data this step's batch began in (0 = the first)
+    # Model FLOPs utilisation: tokens/s x train FLOPs per token / the matmul peak measured at the start
+    # (null when it could not be measured; absent from the logs of older versions).
+    mfu_pct: float | None = None
 
 
 def json_line(m: StepMetrics) -> str:

@@ -9,6 +9,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
     "resumed"   int            --resume: the step it continues from (0: no checkpoint yet)
     "start"     TrainStart     the model is built and the loop is about to begin
     "step", "skipped", "checkpoint"   StepMetrics   from the loop (train/loop.py)
+    "profile"   Path           the loop wrote the trace of train.profile_steps
 """
 
 from __future__ import annotations
@@ -29,9 +30,10 @@ from rwkvx_cli.fsio import RUN_MARKER, check_writable_dir, claim_dir
 from rwkvx_cli.memcheck import check_model, check_training
 from rwkvx_cli.models.generate import generate
 from rwkvx_cli.train import checkpoint as ck
-from rwkvx_cli.train import distributed
+from rwkvx_cli.train import distributed, precision
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.lock import LOCK_NAME, hold_run
+from rwkvx_cli.train.loggers import check_available as check_loggers
 from rwkvx_cli.train.loop import Trainer, pick_device
 from rwkvx_cli.train.metrics import StepMetrics
 from rwkvx_cli.train.plot import plot_losses
@@ -136,7 +138,10 @@ def run_training(
     """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
     preparation and yields its progress callback (done, total)."""
-    check_training(cfg, device if device is not None else pick_device(cfg.train.device))
+    check_loggers(cfg.train.loggers)  # a missing tensorboard or wandb: the pip command, before anything runs
+    dev = device if device is not None else pick_device(cfg.train.device)
+    precision.resolve(cfg.train.precision, dev)  # a precision the device cannot run: refused before anything else
+    check_training(cfg, dev)
     with claim_run(cfg) if dist.is_main else contextlib.nullcontext():
         return _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress)
 
@@ -185,7 +190,7 @@ def _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress) -
     result = TrainResult(trainer.step, last, stop.requested or trainer.step < cfg.total_steps, trainer.skipped_steps)
     if last is None or result.stopped:
         return result
-    if dist.is_main:
+    if dist.is_main and "jsonl" in cfg.train.loggers:  # the plot reads metrics.jsonl
         plot_losses(metrics_path(run_dir), loss_plot_path(run_dir))
     result.val = trainer.validate()
     # Every rank samples the same text (a sharded model needs them all); rank 0 shows it.

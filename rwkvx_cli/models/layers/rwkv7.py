@@ -79,7 +79,8 @@ def group_norm_lrp(gn: nn.GroupNorm, x: torch.Tensor, eps: float = 0.0) -> torch
 
 class RWKV7TimeMix(nn.Module):
     """State: att_shift [B, C] (the previous token's input) and wkv [B, H, N, N] fp32.
-    The first RWKV-7 layer (layer_id 0) sets `v_first`; later ones mix it into their values."""
+    The first RWKV-7 layer (layer_id 0) sets `v_first`; later ones mix it into their values
+    (the first keeps frozen, unused v0, v1, v2)."""
 
     def __init__(self, C: int, head_size: int, layer_id: int):
         super().__init__()
@@ -97,6 +98,13 @@ class RWKV7TimeMix(nn.Module):
         self.value = nn.Linear(C, C, bias=False)
         self.output = nn.Linear(C, C, bias=False)
         self.ln_x = nn.GroupNorm(H, C, eps=64e-5)
+        if layer_id == 0:
+            # The first layer sets v_first instead of mixing it in: its value-residual weights stay in
+            # the state dict (RWKV-LM's layout, for export and import) but are never used, so they are
+            # frozen: every parameter that requires a gradient gets one (DDP without
+            # find_unused_parameters). They stay in the optimizer's groups, without state, as before.
+            for p in (self.v0, self.v1, self.v2):
+                p.requires_grad_(False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_id: int) -> RWKV7TimeMix:
@@ -133,7 +141,11 @@ class RWKV7TimeMix(nn.Module):
         def heads(t):
             return t.view(B, T, H, N)
 
-        y, wkv = wkv7(heads(r), heads(w), heads(k), heads(v), heads(-kk), heads(kk * a), state=s.get("wkv"))
+        # Under bf16 autocast r and k come out of matmuls in bf16 while w, v, a and kk mix fp32
+        # parameters in: the op takes one dtype, the activations' (RWKV-LM casts all six to bf16);
+        # its state and accumulation stay fp32. A no-op in fp32.
+        ins = (heads(t).to(r.dtype) for t in (r, w, k, v, -kk, kk * a))
+        y, wkv = wkv7(*ins, state=s.get("wkv"))
         y = self.ln_x(y.reshape(B * T, C)).view(B, T, C)
         y = y + ((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True) * heads(v)).view(B, T, C)
         return self.output(y * g), v_first, {"att_shift": x[:, -1], "wkv": wkv}
