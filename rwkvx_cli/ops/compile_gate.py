@@ -47,13 +47,13 @@ DTYPES = ("fp32", "bf16")
 SPILL_BUDGETS: dict[tuple[str, str, int], int] = {
     ("delta", "_bwd_kernel", 128): 1040,
     ("rwkv8", "_bwd_kernel", 128): 20,
-    ("wkv7", "_bwd_intra_kernel", 64): 4130,
-    ("wkv7", "_bwd_intra_kernel", 128): 80260,
+    ("wkv7", "_bwd_intra_kernel", 64): 870,
+    ("wkv7", "_bwd_intra_kernel", 128): 880,
     ("wkv7", "_bwd_kernel", 64): 220,
     ("wkv7", "_bwd_kernel", 128): 940,
-    ("wkv7", "_bwd_state_kernel", 64): 1430,
-    ("wkv7", "_bwd_state_kernel", 128): 21410,
-    ("wkv7", "_fwd_state_kernel", 128): 1600,
+    ("wkv7", "_bwd_state_kernel", 64): 40,
+    ("wkv7", "_bwd_state_kernel", 128): 270,
+    ("wkv7", "_fwd_state_kernel", 128): 740,
     ("wkv7", "_intra_kernel", 64): 430,
     ("wkv7", "_intra_kernel", 128): 1570,
 }

@@ -169,3 +169,15 @@ def test_gradient_flows_in_through_state_out_only():
     cols = assert_gate_a(got, ref, check_vacuous=False)
     assert all(c.ref_max > 1e-4 for c in cols if c.name not in ("y", "dr"))
     assert torch.count_nonzero(got[2]["r"]) == 0
+
+
+def test_fp64_equals_the_oracle_over_partial_value_and_key_blocks():
+    """N = 48: the backward's value-block loop (32 columns) ends on a half-masked block, the
+    state walks take three 16-row blocks and the key blocks end part-masked as well."""
+    x, state, cy, cs = sample(1, 2 * CHUNK + 5, 1, 48, "mixed", seed=3)
+    y_ref, s_ref, g_ref = run("reference", x, state, cy, cs, torch.float64)
+    y, s, g = run("triton_chunked", x, state, cy, cs, torch.float64)
+    torch.testing.assert_close(y, y_ref, rtol=1e-10, atol=1e-13)
+    torch.testing.assert_close(s, s_ref, rtol=1e-10, atol=1e-13)
+    for n in g_ref:
+        torch.testing.assert_close(g[n], g_ref[n], rtol=1e-9, atol=1e-13, msg=f"d{n}")

@@ -67,6 +67,8 @@ DOT_PRECISION = "tf32x3"
 GRID_YZ_MAX = 65535
 # The pairwise [key, t, s] tiles are register-heavy: 8 warps keep ptxas spills small (sm_90).
 PAIRWISE_WARPS = 8
+# Value columns `_bwd_intra_kernel` reads at a time (its value-side tiles are [L, VALUE_BLOCK]).
+VALUE_BLOCK = 32
 
 
 if triton is not None:
@@ -241,7 +243,9 @@ if triton is not None:
         DT: tl.constexpr, PREC: tl.constexpr,
     ):  # fmt: skip
         """Walk the chunks in reverse for BV value rows: carry dS, write dv, and U, dX and
-        each chunk's end-state gradient for `_bwd_intra_kernel`."""
+        each chunk's end-state gradient for `_bwd_intra_kernel`. Each chunk constant is
+        loaded where it is first used (and Ã again for the carry) so that few [L, BK]
+        tiles are live at once."""
         bh = tl.program_id(0).to(tl.int64)
         iv = tl.program_id(1).to(tl.int64)
         bi = bh // H
@@ -252,32 +256,41 @@ if triton is not None:
         mr = rows < N
         m2 = mr[:, None] & (cols < N)[None, :]
         off2 = rows[:, None] * N + cols[None, :]
+        rm = (cols < N)[None, :]
         dS = tl.load(ds_out + bh * N * N + off2, mask=m2, other=0.0).to(DT)
         for cc in range(NC):
             ic = NC - 1 - cc
             tl.store(dsnaps + (bh * NC + ic) * N * N + off2, dS, mask=m2)
-            S0 = tl.load(snaps + (bh * (NC + 1) + ic) * N * N + off2, mask=m2, other=0.0)
             t = ic * L + i
+            moff = ((bh * NC + ic) * L + i[:, None]) * L + i[None, :]
+            roff = (bh * NC * L + t[:, None]) * N + cols[None, :]
             xoff = ((bi * T + t[:, None]) * H + h) * N + rows[None, :]
             xm = (t < T)[:, None] & mr[None, :]
             vt = tl.load(v + xoff, mask=xm, other=0.0).to(DT)
-            dyt = tl.load(dy + xoff, mask=xm, other=0.0).to(DT)
-            inv, A_ak, A_rb, A_rk, At, Rt, Bh, Kh, ecl = _chunk_consts(
-                inv_p, aak_p, arb_p, ark_p, at_p, rt_p, bh_p, kh_p, ecl_p, bh, ic, NC, N, L, BK
-            )
+            S0 = tl.load(snaps + (bh * (NC + 1) + ic) * N * N + off2, mask=m2, other=0.0)
+            At = tl.load(at_p + roff, mask=rm, other=0.0)
+            A_ak = tl.load(aak_p + moff)
+            inv = tl.load(inv_p + moff)
             U = tl.dot(At, tl.trans(S0), input_precision=PREC) + tl.dot(A_ak, vt, input_precision=PREC)
             U = tl.dot(inv, U, input_precision=PREC)
+            dyt = tl.load(dy + xoff, mask=xm, other=0.0).to(DT)
+            Bh = tl.load(bh_p + roff, mask=rm, other=0.0)
             dSt = tl.trans(dS)
-            dX = tl.dot(tl.trans(A_rb), dyt, input_precision=PREC) + tl.dot(Bh, dSt, input_precision=PREC)
+            dX = tl.dot(tl.trans(tl.load(arb_p + moff)), dyt, input_precision=PREC)
+            dX += tl.dot(Bh, dSt, input_precision=PREC)
             dX = tl.dot(tl.trans(inv), dX, input_precision=PREC)
-            dvt = tl.dot(tl.trans(A_rk), dyt, input_precision=PREC) + tl.dot(tl.trans(A_ak), dX, input_precision=PREC)
+            dvt = tl.dot(tl.trans(tl.load(ark_p + moff)), dyt, input_precision=PREC)
+            dvt += tl.dot(tl.trans(A_ak), dX, input_precision=PREC)
+            Kh = tl.load(kh_p + roff, mask=rm, other=0.0)
             dvt += tl.dot(Kh, dSt, input_precision=PREC)
             tl.store(dv + xoff, dvt, mask=xm)
             boff = (bh * NC * L + t[:, None]) * N + rows[None, :]
             tl.store(u_p + boff, U, mask=mr[None, :])
             tl.store(dx_p + boff, dX, mask=mr[None, :])
+            ecl = tl.load(ecl_p + (bh * NC + ic) * N + cols, mask=cols < N, other=0.0)
+            Rt = tl.load(rt_p + roff, mask=rm, other=0.0)
             dS = dS * ecl[None, :] + tl.dot(tl.trans(dyt), Rt, input_precision=PREC)
-            dS += tl.dot(tl.trans(dX), At, input_precision=PREC)
+            dS += tl.dot(tl.trans(dX), tl.load(at_p + roff, mask=rm, other=0.0), input_precision=PREC)
         tl.store(ds0 + bh * N * N + off2, dS, mask=m2)
 
     @triton.jit
@@ -286,11 +299,12 @@ if triton is not None:
         u_p, dx_p, snaps, dsnaps,
         dr, dw, dk, da, db,
         T, H, NC,
-        N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr,
+        N: tl.constexpr, L: tl.constexpr, BK: tl.constexpr, BKC: tl.constexpr, BVC: tl.constexpr,
         DT: tl.constexpr, PREC: tl.constexpr, W_MIN: tl.constexpr,
     ):  # fmt: skip
-        """dr, dw, dk, da, db of one chunk over BKC key columns. Tiles are [key, t] and
-        [key, t, s]; value-side tiles [t, value] span the whole (padded) head."""
+        """dr, dw, dk, da, db of one chunk over BKC key columns. Value-side tiles [t, value]
+        and [value, key] are read BVC value columns at a time; key-side tiles are [key, t]
+        and [key, t, s], the Ep ones formed and consumed before the Ei ones."""
         ic = tl.program_id(0).to(tl.int64)
         bh = tl.program_id(1).to(tl.int64)
         kb = tl.program_id(2).to(tl.int64)
@@ -298,62 +312,90 @@ if triton is not None:
         h = bh % H
         i = tl.arange(0, L)
         t, tp, tn = _shifted_times(ic, T, L)
-        vals = tl.arange(0, BK)
         j = kb * BKC + tl.arange(0, BKC)
-        mv = vals < N
         mj = j < N
         tt = i[:, None]
         ss = i[None, :]
-        # value side: gradients of the chunk matrices, [t, s]
-        xoff = ((bi * T + t[:, None]) * H + h) * N + vals[None, :]
-        xm = (t < T)[:, None] & mv[None, :]
-        dyt = tl.load(dy + xoff, mask=xm, other=0.0).to(DT)
-        vt = tl.load(v + xoff, mask=xm, other=0.0).to(DT)
-        boff = (bh * NC * L + t[:, None]) * N + vals[None, :]
-        U = tl.load(u_p + boff, mask=mv[None, :], other=0.0)
-        dX = tl.load(dx_p + boff, mask=mv[None, :], other=0.0)
-        dA_rb = tl.where(tt >= ss, tl.dot(dyt, tl.trans(U), input_precision=PREC), 0.0)
-        dA_rk = tl.where(tt >= ss, tl.dot(dyt, tl.trans(vt), input_precision=PREC), 0.0)
-        dA_ab = tl.where(tt > ss, tl.dot(dX, tl.trans(U), input_precision=PREC), 0.0)
-        dA_ak = tl.where(tt > ss, tl.dot(dX, tl.trans(vt), input_precision=PREC), 0.0)
-        # state side: chunk-start state and end-state gradient, [value, key]
-        soff = vals[:, None] * N + j[None, :]
-        sm = mv[:, None] & mj[None, :]
-        S0 = tl.load(snaps + (bh * (NC + 1) + ic) * N * N + soff, mask=sm, other=0.0)
-        dSL = tl.load(dsnaps + (bh * NC + ic) * N * N + soff, mask=sm, other=0.0)
-        S0t = tl.trans(S0)
-        dSLt = tl.trans(dSL)
-        dRt = tl.dot(S0t, tl.trans(dyt), input_precision=PREC)  # [key, t]: (dY S0)ᵀ
-        dAt = tl.dot(S0t, tl.trans(dX), input_precision=PREC)
-        dBh = tl.dot(dSLt, tl.trans(U), input_precision=PREC)
-        dKh = tl.dot(dSLt, tl.trans(vt), input_precision=PREC)
-        # key side
+        # value side, summed over BVC-column blocks: the chunk matrices' gradients [t, s],
+        # the decayed inputs' gradients [key, t] and Σ_value dS_L ⊙ S0 [key]
+        dA_rb = tl.zeros((L, L), DT)
+        dA_rk = tl.zeros((L, L), DT)
+        dA_ab = tl.zeros((L, L), DT)
+        dA_ak = tl.zeros((L, L), DT)
+        dRt = tl.zeros((BKC, L), DT)  # (dY S0)ᵀ
+        dAt = tl.zeros((BKC, L), DT)  # (dX S0)ᵀ
+        dBh = tl.zeros((BKC, L), DT)  # (U dS_L)ᵀ
+        dKh = tl.zeros((BKC, L), DT)  # (V dS_L)ᵀ
+        sds = tl.zeros((BKC,), DT)
+        xbase = ((bi * T + t[:, None]) * H + h) * N
+        bbase = (bh * NC * L + t[:, None]) * N
+        s0base = (bh * (NC + 1) + ic) * N * N
+        dsbase = (bh * NC + ic) * N * N
+        for vb in range(0, BK, BVC):
+            vals = vb + tl.arange(0, BVC)
+            mv = vals < N
+            xm = (t < T)[:, None] & mv[None, :]
+            dyt = tl.load(dy + xbase + vals[None, :], mask=xm, other=0.0).to(DT)
+            vt = tl.load(v + xbase + vals[None, :], mask=xm, other=0.0).to(DT)
+            U = tl.load(u_p + bbase + vals[None, :], mask=mv[None, :], other=0.0)
+            dX = tl.load(dx_p + bbase + vals[None, :], mask=mv[None, :], other=0.0)
+            dA_rb += tl.dot(dyt, tl.trans(U), input_precision=PREC)
+            dA_rk += tl.dot(dyt, tl.trans(vt), input_precision=PREC)
+            dA_ab += tl.dot(dX, tl.trans(U), input_precision=PREC)
+            dA_ak += tl.dot(dX, tl.trans(vt), input_precision=PREC)
+            soff = vals[:, None] * N + j[None, :]
+            sm = mv[:, None] & mj[None, :]
+            S0t = tl.trans(tl.load(snaps + s0base + soff, mask=sm, other=0.0))
+            dSLt = tl.trans(tl.load(dsnaps + dsbase + soff, mask=sm, other=0.0))
+            dRt += tl.dot(S0t, tl.trans(dyt), input_precision=PREC)
+            dAt += tl.dot(S0t, tl.trans(dX), input_precision=PREC)
+            dBh += tl.dot(dSLt, tl.trans(U), input_precision=PREC)
+            dKh += tl.dot(dSLt, tl.trans(vt), input_precision=PREC)
+            sds += tl.sum(dSLt * S0t, axis=1)
+        dA_rb = tl.where(tt >= ss, dA_rb, 0.0)
+        dA_rk = tl.where(tt >= ss, dA_rk, 0.0)
+        dA_ab = tl.where(tt > ss, dA_ab, 0.0)
+        dA_ak = tl.where(tt > ss, dA_ak, 0.0)
+        # key side: the decayed inputs' part, then the pairwise Ep part, then the Ei part
         w_raw, wt, wp, wn, at, bt, kt, rt = _key_tiles(w, a, b, k, r, bi, h, t, tp, tn, j, T, H, N, DT, W_MIN)
-        c, cp, tail, cL, Ei, Ep = _chunk_decays(wt, wp, wn, L)
-        ea = tl.exp(cp)
-        er = tl.exp(c)
-        eb = tl.exp(tail)
-        Wab = dA_ab[None, :, :] * Ep  # [key, t, s]
-        Wak = dA_ak[None, :, :] * Ep
-        Wrb = dA_rb[None, :, :] * Ei
-        Wrk = dA_rk[None, :, :] * Ei
-        Pa = Wab * bt[:, None, :] + Wak * kt[:, None, :]  # summed over s: the pairwise part of da
-        Pr = Wrb * bt[:, None, :] + Wrk * kt[:, None, :]
-        da_ = dAt * ea + tl.sum(Pa, axis=2)
-        dr_ = dRt * er + tl.sum(Pr, axis=2)
-        db_ = dBh * eb + tl.sum(Wab * at[:, :, None] + Wrb * rt[:, :, None], axis=1)
-        dk_ = dKh * eb + tl.sum(Wak * at[:, :, None] + Wrk * rt[:, :, None], axis=1)
+        ea = tl.exp(tl.cumsum(wp, axis=1))  # Σ_{r<t} w
+        er = tl.exp(tl.cumsum(wt, axis=1))  # Σ_{r<=t} w
+        eb = tl.exp(tl.cumsum(wn, axis=1, reverse=True))  # Σ_{r>t} w
+        da_ = dAt * ea
+        dr_ = dRt * er
+        db_ = dBh * eb
+        dk_ = dKh * eb
         # dw_q: the terms whose decay spans step q. Ã_t spans r < t, R̃_t spans r <= t,
         # B̂_s and K̂_s span r > s, e^{Σ w} every r, Ep[t, s] s < r < t, Ei[t, s] s < r <= t.
-        dw_ = tl.dot(dAt * at * ea, (tt > ss).to(DT), input_precision=PREC)  # Σ_{t > q}
-        dw_ += tl.dot(dRt * rt * er, (tt >= ss).to(DT), input_precision=PREC)  # Σ_{t >= q}
-        dw_ += tl.dot((dBh * bt + dKh * kt) * eb, (tt < ss).to(DT), input_precision=PREC)  # Σ_{s < q}
-        dw_ += (tl.sum(dSL * S0, axis=0) * tl.exp(cL))[:, None]
-        after = tl.broadcast_to((ss > tt).to(DT)[None, :, :], (BKC, L, L))  # [q, t]: t > q
-        from_ = tl.broadcast_to((ss >= tt).to(DT)[None, :, :], (BKC, L, L))  # [q, t]: t >= q
-        span = tl.dot(after, Pa * at[:, :, None], input_precision=PREC)
-        span += tl.dot(from_, Pr * rt[:, :, None], input_precision=PREC)  # [key, q, s]
-        dw_ += tl.sum(tl.where((ss < tt)[None, :, :], span, 0.0), axis=2)  # s < q
+        dw_ = tl.dot(da_ * at, (tt > ss).to(DT), input_precision=PREC)  # Σ_{t > q}
+        dw_ += tl.dot(dr_ * rt, (tt >= ss).to(DT), input_precision=PREC)  # Σ_{t >= q}
+        dw_ += tl.dot(db_ * bt + dk_ * kt, (tt < ss).to(DT), input_precision=PREC)  # Σ_{s < q}
+        dw_ += (sds * tl.exp(tl.sum(wt, axis=1)))[:, None]
+        # Ep[t, s] = e^{Σ_{s<r<t} w} (s < t): A_ab, A_ak
+        Gp = tl.cumsum(tl.where((tt - 1 > ss)[None, :, :], wp[:, :, None], 0.0), axis=1)
+        Ep = tl.where((tt > ss)[None, :, :], tl.exp(Gp), 0.0)
+        Wab = dA_ab[None, :, :] * Ep  # [key, t, s]
+        Wak = dA_ak[None, :, :] * Ep
+        Pa = Wab * bt[:, None, :] + Wak * kt[:, None, :]
+        da_ += tl.sum(Pa, axis=2)
+        db_ += tl.sum(Wab * at[:, :, None], axis=1)
+        dk_ += tl.sum(Wak * at[:, :, None], axis=1)
+        # Σ_{s<q} Σ_{t>q} Pa[t, s] a_t: the Σ_{t>=Q} scan, summed over s < Q - 1, moved to q = Q - 1
+        span = tl.cumsum(Pa * at[:, :, None], axis=1, reverse=True)  # [key, Q, s]
+        span_q = tl.sum(tl.where((ss < tt - 1)[None, :, :], span, 0.0), axis=2)  # [key, Q]
+        dw_ += tl.sum(tl.where((tt == ss + 1)[None, :, :], span_q[:, :, None], 0.0), axis=1)
+        # Ei[t, s] = e^{Σ_{s<r<=t} w} (s <= t): A_rb, A_rk
+        G = tl.cumsum(tl.where((tt > ss)[None, :, :], wt[:, :, None], 0.0), axis=1)
+        Ei = tl.where((tt >= ss)[None, :, :], tl.exp(G), 0.0)
+        Wrb = dA_rb[None, :, :] * Ei
+        Wrk = dA_rk[None, :, :] * Ei
+        Pr = Wrb * bt[:, None, :] + Wrk * kt[:, None, :]
+        dr_ += tl.sum(Pr, axis=2)
+        db_ += tl.sum(Wrb * rt[:, :, None], axis=1)
+        dk_ += tl.sum(Wrk * rt[:, :, None], axis=1)
+        # Σ_{s<q} Σ_{t>=q} Pr[t, s] r_t
+        span = tl.cumsum(Pr * rt[:, :, None], axis=1, reverse=True)  # [key, q, s]
+        dw_ += tl.sum(tl.where((ss < tt)[None, :, :], span, 0.0), axis=2)
         dw_ = tl.where(w_raw >= W_MIN, dw_, 0.0)  # the clamp's gradient
         goff = ((bi * T + t[None, :]) * H + h) * N + j[:, None]
         gm = (t < T)[None, :] & mj[:, None]
@@ -366,9 +408,10 @@ if triton is not None:
 
 def _blocks(N: int) -> tuple[int, int, int]:
     """BK (the padded head, a power of two >= 16 for tl.dot), BKC (key columns per
-    pairwise tile), BV (value rows per state-walking program)."""
+    pairwise tile), BV (value rows per state-walking program: 16, tl.dot's least, keeps
+    the [BV, BK] state tiles small enough not to spill at N = 128)."""
     BK = max(16, triton.next_power_of_2(N))
-    return BK, min(BK, 32), min(BK, 32)
+    return BK, min(BK, 32), 16
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -453,7 +496,7 @@ class _WKV7TritonChunked(torch.autograd.Function):
         dr, dw, dk, da, db = (empty(B, T, H, N) for _ in range(5))
         _bwd_intra_kernel[(NC, B * H, triton.cdiv(N, BKC))](
             w, a, b, k, r, v, dy, U, dX, snaps, dsnaps, dr, dw, dk, da, db,
-            T, H, NC, N, CHUNK, BK, BKC, DT, prec, W_MIN,
+            T, H, NC, N, CHUNK, BK, BKC, min(BK, VALUE_BLOCK), DT, prec, W_MIN,
             num_warps=PAIRWISE_WARPS,
         )  # fmt: skip
         return cast_back((dr, dw, dk, dv, da, db, ds0), (r.dtype,) * 6 + (ctx.state_dtype,))
