@@ -164,13 +164,6 @@ def _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress) -
     distributed.barrier()  # rank 0 has written the run files
     if not dist.is_main:
         data, model = ensure_data(cfg, run_dir), new_model(cfg)
-    if cfg.train.compile:
-        # A warm AOTAutograd cache replays the output aliases of the graph pieces around the ops'
-        # graph breaks (the CPU kernels are ctypes calls) with garbage sizes ("shape '[9423...]' is
-        # invalid"); the FX graph cache alone is safe. Until the kernels are torch custom ops.
-        import torch._functorch.config
-
-        torch._functorch.config.enable_autograd_cache = False
     trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist=dist, device=device)
     if not resume or not ck.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.

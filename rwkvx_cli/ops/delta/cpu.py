@@ -2,7 +2,11 @@
 torch.autograd.Function. fp32 (or fp64) state and math, parallel over batch x heads
 with OpenMP, SIMD over a state row. Saved for backward: q, k, the gates, β, w = v - Pᵀk
 per step and a state snapshot every `chunk_size` steps (64 at N <= 64) that the
-backward recomputes from (never dividing by the gate): O(B·T·H·N + B·H·(T/chunk)·N²)."""
+backward recomputes from (never dividing by the gate): O(B·T·H·N + B·H·(T/chunk)·N²).
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.delta_cpu_fwd`
+and `torch.ops.rwkvx.delta_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops),
+so torch.compile traces the autograd.Function around them with no graph break."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
@@ -27,6 +32,7 @@ def _library() -> ctypes.CDLL:
     return lib
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
     return native_unavailable(_library)
@@ -53,24 +59,82 @@ def _check(rc: int, N: int) -> None:
         raise ValueError(f"the cpu backend supports head sizes up to 512 (fp32) / 256 (fp64), got N = {N}")
 
 
+def _kernel(name: str, x: Tensor):
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the delta cpu kernel takes float32 or float64 tensors, got {x.dtype}")
+    lib = _library()
+    return getattr(lib, f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+
+
+@torch.library.custom_op("rwkvx::delta_cpu_fwd", mutates_args=(), device_types="cpu")
+def delta_cpu_fwd(
+    q: Tensor, k: Tensor, v: Tensor, A: Tensor, beta: Tensor, state: Tensor, scale: float, chunk: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: q, k, v [B, T, H, N], the gate itself A = exp(g) [B, T, H, G]
+    (G = 1 or N), β [B, T, H], state [B, H, N, N], all fp32 or all fp64; a snapshot every
+    `chunk` steps (see chunk_size). Returns (y, state_out, snapshots, w = v - Pᵀk)."""
+    B, T, H, N = q.shape
+    ins = [x.contiguous() for x in (q, k, v, A, beta, state)]
+    outs = _delta_fwd_fake(q, k, v, A, beta, state, scale, chunk)
+    fn = _kernel("delta_forward", q)
+    _check(fn(*map(ptr, (*ins, *outs)), B, T, H, N, A.shape[-1], scale, chunk, _threads(B * H)), N)
+    return outs
+
+
+@delta_cpu_fwd.register_fake
+def _delta_fwd_fake(q, k, v, A, beta, state, scale, chunk):
+    B, T, H, N = q.shape
+    return (
+        q.new_empty(B, T, H, N),
+        state.new_empty(B, H, N, N),
+        q.new_empty(B, H, -(-T // chunk), N, N),
+        q.new_empty(B, T, H, N),
+    )
+
+
+@torch.library.custom_op("rwkvx::delta_cpu_bwd", mutates_args=(), device_types="cpu")
+def delta_cpu_bwd(
+    q: Tensor,
+    k: Tensor,
+    A: Tensor,
+    beta: Tensor,
+    snaps: Tensor,
+    w: Tensor,
+    dy: Tensor,
+    ds_out: Tensor,
+    scale: float,
+    chunk: int,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's q, k, A, β, snapshots and w, and the cotangents
+    of y and state_out. Returns (dq, dk, dv, dg (w.r.t. the log-gate), dβ, dstate)."""
+    B, T, H, N = q.shape
+    ins = [x.contiguous() for x in (q, k, A, beta, snaps, w, dy, ds_out)]
+    grads = _delta_bwd_fake(q, k, A, beta, snaps, w, dy, ds_out, scale, chunk)
+    fn = _kernel("delta_backward", q)
+    _check(fn(*map(ptr, (*ins, *grads)), B, T, H, N, A.shape[-1], scale, chunk, _threads(B * H)), N)
+    return grads
+
+
+@delta_cpu_bwd.register_fake
+def _delta_bwd_fake(q, k, A, beta, snaps, w, dy, ds_out, scale, chunk):
+    return (
+        *(torch.empty_like(q, memory_format=torch.contiguous_format) for _ in range(3)),
+        torch.empty_like(A, memory_format=torch.contiguous_format),
+        torch.empty_like(beta, memory_format=torch.contiguous_format),
+        torch.empty_like(ds_out, memory_format=torch.contiguous_format),
+    )
+
+
 class _DeltaCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale):
-        B, T, H, N = q.shape
-        G = g.shape[-1]
+        N = q.shape[-1]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         q_, k_, v_, g_, beta_ = (x.detach().to(cdt).contiguous() for x in (q, k, v, g, beta))
         A = torch.exp(g_)  # the kernel takes the gate itself
         s0 = state.detach().to(cdt).contiguous()
-        y = torch.empty_like(q_)
-        s_out = torch.empty_like(s0)
-        chunk = chunk_size(N, q_.element_size())
-        snaps = q_.new_empty(B, H, -(-T // chunk), N, N)
-        w = torch.empty_like(q_)  # v - Pᵀk per step: the backward's recomputation and dβ need it
-        lib = _library()
-        fn = lib.delta_forward_f64 if cdt == torch.float64 else lib.delta_forward_f32
-        args = (q_, k_, v_, A, beta_, s0, y, s_out, snaps, w)
-        _check(fn(*map(ptr, args), B, T, H, N, G, scale, chunk, _threads(B * H)), N)
+        chunk = chunk_size(N, 8 if cdt == torch.float64 else 4)
+        y, s_out, snaps, w = torch.ops.rwkvx.delta_cpu_fwd(q_, k_, v_, A, beta_, s0, scale, chunk)
         ctx.save_for_backward(q_, k_, A, beta_, snaps, w)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.dtypes = (q.dtype, g.dtype, beta.dtype, state.dtype)
@@ -79,17 +143,12 @@ class _DeltaCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         q_, k_, A, beta_, snaps, w = ctx.saved_tensors
-        B, T, H, N = q_.shape
-        G = A.shape[-1]
         cdt = q_.dtype
         dy = dy.to(cdt).contiguous()
         ds_out = ds_out.to(cdt).contiguous()
-        dq, dk, dv = (torch.empty_like(q_) for _ in range(3))
-        dg, dbeta, ds0 = torch.empty_like(A), torch.empty_like(beta_), torch.empty_like(ds_out)
-        lib = _library()
-        fn = lib.delta_backward_f64 if cdt == torch.float64 else lib.delta_backward_f32
-        args = (q_, k_, A, beta_, snaps, w, dy, ds_out, dq, dk, dv, dg, dbeta, ds0)
-        _check(fn(*map(ptr, args), B, T, H, N, G, ctx.scale, ctx.chunk, _threads(B * H)), N)
+        dq, dk, dv, dg, dbeta, ds0 = torch.ops.rwkvx.delta_cpu_bwd(
+            q_, k_, A, beta_, snaps, w, dy, ds_out, ctx.scale, ctx.chunk
+        )
         x_dtype, g_dtype, beta_dtype, state_dtype = ctx.dtypes
         return (
             *(x.to(x_dtype) for x in (dq, dk, dv)),

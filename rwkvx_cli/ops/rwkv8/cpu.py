@@ -1,7 +1,11 @@
 """rwkv8 `cpu` backend: the fused C++ kernel of csrc/rwkv8_cpu.cpp behind a
 torch.autograd.Function. fp32 state and math (fp64 for fp64 inputs), parallel
 over batch x heads with OpenMP, SIMD over E (forward) and L (backward, on the
-transposed state), a state snapshot every CHUNK steps for the backward."""
+transposed state), a state snapshot every CHUNK steps for the backward.
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.rwkv8_cpu_fwd`
+and `torch.ops.rwkvx.rwkv8_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops),
+so torch.compile traces the autograd.Function around them with no graph break."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
@@ -20,36 +25,83 @@ def _library() -> ctypes.CDLL:
     return load_library(SOURCE)
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
     return native_unavailable(_library)
 
 
+def _kernel(name: str, x: Tensor):
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the rwkv8 cpu kernel takes float32 or float64 tensors, got {x.dtype}")
+    return getattr(_library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+
+
+def _dims(q: Tensor, v: Tensor) -> tuple[int, ...]:
+    B, T, H, L = q.shape
+    return B, T, H, v.shape[2], L, v.shape[3]
+
+
+@torch.library.custom_op("rwkvx::rwkv8_cpu_fwd", mutates_args=(), device_types="cpu")
+def rwkv8_cpu_fwd(
+    q: Tensor, v: Tensor, d: Tensor, rho: Tensor, norm: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: q [B, T, H, L], v [B, T, Hv, E], d [H, L], the state rho
+    [B, H, L, E] and norm [B, H, L], all fp32 or all fp64. Returns (y, rho_out,
+    norm_out, snapshots of rho, snapshots of norm)."""
+    ins = [x.contiguous() for x in (q, v, d, rho, norm)]
+    outs = _rwkv8_fwd_fake(q, v, d, rho, norm)
+    fn = _kernel("rwkv8_forward", q)
+    fn(*map(ptr, (*ins, *outs)), *_dims(q, v), CHUNK, torch.get_num_threads())
+    return outs
+
+
+@rwkv8_cpu_fwd.register_fake
+def _rwkv8_fwd_fake(q, v, d, rho, norm):
+    B, T, H, _, L, E = _dims(q, v)
+    n_chunks = (T + CHUNK - 1) // CHUNK
+    return (
+        q.new_empty(B, T, H, E),
+        rho.new_empty(B, H, L, E),
+        norm.new_empty(B, H, L),
+        q.new_empty(B, H, n_chunks, L, E),
+        q.new_empty(B, H, n_chunks, L),
+    )
+
+
+@torch.library.custom_op("rwkvx::rwkv8_cpu_bwd", mutates_args=(), device_types="cpu")
+def rwkv8_cpu_bwd(
+    q: Tensor, v: Tensor, d: Tensor, snaps: Tensor, nsnaps: Tensor, dy: Tensor, drho: Tensor, dnorm: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs and snapshots, and the cotangents of y,
+    rho_out and norm_out. Returns (dq, dv per head [B, T, H, E], dd per batch row
+    [B, H, L], drho, dnorm)."""
+    ins = [x.contiguous() for x in (q, v, d, snaps, nsnaps, dy, drho, dnorm)]
+    grads = _rwkv8_bwd_fake(q, v, d, snaps, nsnaps, dy, drho, dnorm)
+    fn = _kernel("rwkv8_backward", q)
+    fn(*map(ptr, (*ins, *grads)), *_dims(q, v), CHUNK, torch.get_num_threads())
+    return grads
+
+
+@rwkv8_cpu_bwd.register_fake
+def _rwkv8_bwd_fake(q, v, d, snaps, nsnaps, dy, drho, dnorm):
+    B, T, H, _, L, E = _dims(q, v)
+    return (
+        q.new_empty(B, T, H, L),
+        q.new_empty(B, T, H, E),
+        q.new_empty(B, H, L),
+        drho.new_empty(B, H, L, E),
+        dnorm.new_empty(B, H, L),
+    )
+
+
 class _RWKV8CPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, v, d, rho, norm):
-        B, T, H, L = q.shape
-        Hv, E = v.shape[2], v.shape[3]
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (q, v, d)]
         s0 = [s.detach().to(cdt).contiguous() for s in (rho, norm)]
-        y = ins[0].new_empty(B, T, H, E)
-        rho_out, norm_out = torch.empty_like(s0[0]), torch.empty_like(s0[1])
-        n_chunks = (T + CHUNK - 1) // CHUNK
-        snaps = y.new_empty(B, H, n_chunks, L, E)
-        nsnaps = y.new_empty(B, H, n_chunks, L)
-        fn = _library().rwkv8_forward_f64 if cdt == torch.float64 else _library().rwkv8_forward_f32
-        fn(
-            *map(ptr, (*ins, *s0, y, rho_out, norm_out, snaps, nsnaps)),
-            B,
-            T,
-            H,
-            Hv,
-            L,
-            E,
-            CHUNK,
-            torch.get_num_threads(),
-        )
+        y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_cpu_fwd(*ins, *s0)
         ctx.save_for_backward(*ins, snaps, nsnaps)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
         return y.to(q.dtype), rho_out, norm_out
@@ -57,19 +109,9 @@ class _RWKV8CPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, drho, dnorm):
         q, v, d, snaps, nsnaps = ctx.saved_tensors
-        B, T, H, L = q.shape
-        Hv, E = v.shape[2], v.shape[3]
-        cdt = q.dtype
-        douts = [g.to(cdt).contiguous() for g in (dy, drho, dnorm)]
-        dq = torch.empty_like(q)
-        dv_heads = q.new_empty(B, T, H, E)
-        dd_rows = q.new_empty(B, H, L)
-        drho0, dnorm0 = torch.empty_like(douts[1]), torch.empty_like(douts[2])
-        fn = _library().rwkv8_backward_f64 if cdt == torch.float64 else _library().rwkv8_backward_f32
-        fn(
-            *map(ptr, (q, v, d, snaps, nsnaps, *douts, dq, dv_heads, dd_rows, drho0, dnorm0)),
-            *(B, T, H, Hv, L, E, CHUNK, torch.get_num_threads()),
-        )
+        H, Hv = q.shape[2], v.shape[2]
+        douts = [g.to(q.dtype).contiguous() for g in (dy, drho, dnorm)]
+        dq, dv_heads, dd_rows, drho0, dnorm0 = torch.ops.rwkvx.rwkv8_cpu_bwd(q, v, d, snaps, nsnaps, *douts)
         dv = dv_heads.sum(2, keepdim=True) if Hv == 1 and H > 1 else dv_heads
         grads = (dq, dv, dd_rows.sum(0), drho0, dnorm0)
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))

@@ -2,7 +2,11 @@
 torch.autograd.Function. OpenMP over batch x groups of channels, SIMD over
 channels (a channel's recurrence is independent of every other's), fp32 state
 and math (fp64 for fp64 inputs), a state snapshot every CHUNK steps for the
-backward."""
+backward.
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.wkv4_cpu_fwd`
+and `torch.ops.rwkvx.wkv4_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops),
+so torch.compile traces the autograd.Function around them with no graph break."""
 
 from __future__ import annotations
 
@@ -10,6 +14,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
@@ -21,23 +26,83 @@ def _library() -> ctypes.CDLL:
     return load_library(SOURCE)
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
     return native_unavailable(_library)
 
 
+def _kernel(name: str, x: Tensor):
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the wkv4 cpu kernel takes float32 or float64 tensors, got {x.dtype}")
+    return getattr(_library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+
+
+@torch.library.custom_op("rwkvx::wkv4_cpu_fwd", mutates_args=(), device_types="cpu")
+def wkv4_cpu_fwd(
+    w: Tensor, u: Tensor, k: Tensor, v: Tensor, aa: Tensor, bb: Tensor, pp: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: w, u [H, N], k, v [B, T, H, N], the state aa, bb, pp [B, H, N],
+    all fp32 or all fp64. Returns (y, aa_out, bb_out, pp_out, snapshots)."""
+    B, T, H, N = k.shape
+    ins = [x.contiguous() for x in (w, u, k, v, aa, bb, pp)]
+    outs = _wkv4_fwd_fake(w, u, k, v, aa, bb, pp)
+    fn = _kernel("wkv4_forward", k)
+    fn(*map(ptr, (*ins, *outs)), B, T, H * N, CHUNK, torch.get_num_threads())
+    return outs
+
+
+@wkv4_cpu_fwd.register_fake
+def _wkv4_fwd_fake(w, u, k, v, aa, bb, pp):
+    B, T, H, N = k.shape
+    y = k.new_empty(B, T, H, N)
+    return (y, *(aa.new_empty(B, H, N) for _ in range(3)), k.new_empty(B, (T + CHUNK - 1) // CHUNK, 3, H * N))
+
+
+@torch.library.custom_op("rwkvx::wkv4_cpu_bwd", mutates_args=(), device_types="cpu")
+def wkv4_cpu_bwd(
+    w: Tensor,
+    u: Tensor,
+    k: Tensor,
+    v: Tensor,
+    aa_out: Tensor,
+    bb_out: Tensor,
+    snaps: Tensor,
+    dy: Tensor,
+    daa: Tensor,
+    dbb: Tensor,
+    dpp: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs, its final aa and bb, its snapshots, and
+    the cotangents of y, aa, bb, pp. Returns (dw, du) per batch row ([B, H, N]), then
+    dk, dv, and the initial state's daa, dbb, dpp."""
+    B, T, H, N = k.shape
+    ins = [x.contiguous() for x in (w, u, k, v, aa_out, bb_out, snaps, dy, daa, dbb, dpp)]
+    grads = _wkv4_bwd_fake(w, u, k, v, aa_out, bb_out, snaps, dy, daa, dbb, dpp)
+    fn = _kernel("wkv4_backward", k)
+    fn(*map(ptr, (*ins, *grads)), B, T, H * N, CHUNK, torch.get_num_threads())
+    return grads
+
+
+@wkv4_cpu_bwd.register_fake
+def _wkv4_bwd_fake(w, u, k, v, aa_out, bb_out, snaps, dy, daa, dbb, dpp):
+    B, T, H, N = k.shape
+    return (
+        k.new_empty(B, H, N),
+        k.new_empty(B, H, N),
+        k.new_empty(B, T, H, N),
+        k.new_empty(B, T, H, N),
+        *(aa_out.new_empty(B, H, N) for _ in range(3)),
+    )
+
+
 class _WKV4CPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, u, k, v, aa, bb, pp):
-        B, T, H, N = k.shape
         cdt = torch.float64 if k.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (w, u, k, v)]
         s0 = [s.detach().to(cdt).contiguous() for s in (aa, bb, pp)]
-        y = torch.empty_like(ins[2])
-        s_out = [torch.empty_like(s0[0]) for _ in range(3)]
-        snaps = y.new_empty(B, (T + CHUNK - 1) // CHUNK, 3, H * N)
-        fn = _library().wkv4_forward_f64 if cdt == torch.float64 else _library().wkv4_forward_f32
-        fn(*map(ptr, (*ins, *s0, y, *s_out, snaps)), B, T, H * N, CHUNK, torch.get_num_threads())
+        y, *s_out, snaps = torch.ops.rwkvx.wkv4_cpu_fwd(*ins, *s0)
         ctx.save_for_backward(*ins, s_out[0], s_out[1], snaps)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
         return (y.to(k.dtype), *s_out)
@@ -45,23 +110,9 @@ class _WKV4CPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, daa, dbb, dpp):
         w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
-        B, T, H, N = k.shape
-        cdt = k.dtype
-        douts = [g.to(cdt).contiguous() for g in (dy, daa, dbb, dpp)]
-        dw_rows = k.new_empty(B, H, N)
-        du_rows = k.new_empty(B, H, N)
-        dk, dv = torch.empty_like(k), torch.empty_like(v)
-        ds0 = [torch.empty_like(aaT) for _ in range(3)]
-        fn = _library().wkv4_backward_f64 if cdt == torch.float64 else _library().wkv4_backward_f32
-        fn(
-            *map(ptr, (w, u, k, v, aaT, bbT, snaps, *douts, dw_rows, du_rows, dk, dv, *ds0)),
-            B,
-            T,
-            H * N,
-            CHUNK,
-            torch.get_num_threads(),
-        )
-        grads = (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
+        douts = [g.to(k.dtype).contiguous() for g in (dy, daa, dbb, dpp)]
+        dw_rows, du_rows, *rest = torch.ops.rwkvx.wkv4_cpu_bwd(w, u, k, v, aaT, bbT, snaps, *douts)
+        grads = (dw_rows.sum(0), du_rows.sum(0), *rest)
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
 
 

@@ -1,7 +1,11 @@
 """WKV7 `cpu` backend: the fused C++ kernel of csrc/wkv7_cpu.cpp behind a
 torch.autograd.Function. fp32 (or fp64) state and math, parallel over batch x
 heads with OpenMP; the forward saves a state snapshot every CHUNK steps and
-sa_t = S_{t-1} a_t for the backward (memory B*H*(T/CHUNK)*N² + B*T*H*N)."""
+sa_t = S_{t-1} a_t for the backward (memory B*H*(T/CHUNK)*N² + B*T*H*N).
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.wkv7_cpu_fwd`
+and `torch.ops.rwkvx.wkv7_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops),
+so torch.compile traces the autograd.Function around them with no graph break."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import ctypes
 from pathlib import Path
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
 
@@ -20,25 +25,76 @@ def _library() -> ctypes.CDLL:
     return load_library(SOURCE)
 
 
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
 def unavailable() -> str | None:
     """None when the kernel builds and loads here, else the reason."""
     return native_unavailable(_library)
 
 
+def _kernel(name: str, x: Tensor):
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the wkv7 cpu kernel takes float32 or float64 tensors, got {x.dtype}")
+    return getattr(_library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+
+
+@torch.library.custom_op("rwkvx::wkv7_cpu_fwd", mutates_args=(), device_types="cpu")
+def wkv7_cpu_fwd(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, state: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: r..b [B, T, H, N] and state [B, H, N, N], all fp32 or all fp64,
+    with `w` the effective decay exp(w_log). Returns (y, state_out, snapshots, sa)."""
+    B, T, H, N = r.shape
+    ins = [x.contiguous() for x in (r, w, k, v, a, b)]
+    s0 = state.contiguous()
+    y, s_out, snaps, sas = _wkv7_fwd_fake(r, w, k, v, a, b, state)
+    fn = _kernel("wkv7_forward", r)
+    fn(*map(ptr, (*ins, s0, y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
+    return y, s_out, snaps, sas
+
+
+@wkv7_cpu_fwd.register_fake
+def _wkv7_fwd_fake(r, w, k, v, a, b, state):
+    B, T, H, N = r.shape
+    y = r.new_empty(B, T, H, N)
+    return y, state.new_empty(B, H, N, N), r.new_empty(B, H, (T + CHUNK - 1) // CHUNK, N, N), r.new_empty(B, T, H, N)
+
+
+@torch.library.custom_op("rwkvx::wkv7_cpu_bwd", mutates_args=(), device_types="cpu")
+def wkv7_cpu_bwd(
+    r: Tensor,
+    w: Tensor,
+    k: Tensor,
+    v: Tensor,
+    a: Tensor,
+    b: Tensor,
+    snaps: Tensor,
+    sas: Tensor,
+    dy: Tensor,
+    ds_out: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs (w effective), its snapshots and sa,
+    and the cotangents of y and state_out. Returns (dr, dw_log, dk, dv, da, db, dstate)."""
+    B, T, H, N = r.shape
+    ins = [x.contiguous() for x in (r, w, k, v, a, b, snaps, sas, dy, ds_out)]
+    grads = _wkv7_bwd_fake(r, w, k, v, a, b, snaps, sas, dy, ds_out)
+    fn = _kernel("wkv7_backward", r)
+    fn(*map(ptr, (*ins, *grads)), B, T, H, N, CHUNK, torch.get_num_threads())
+    return grads
+
+
+@wkv7_cpu_bwd.register_fake
+def _wkv7_bwd_fake(r, w, k, v, a, b, snaps, sas, dy, ds_out):
+    B, T, H, N = r.shape
+    return (*(r.new_empty(B, T, H, N) for _ in range(6)), r.new_empty(B, H, N, N))
+
+
 class _WKV7CPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
-        B, T, H, N = r.shape
         cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (r, w, k, v, a, b)]
         ins[1] = torch.exp(ins[1])  # the kernel takes the effective decay
-        s0 = state.detach().to(cdt).contiguous()
-        y = torch.empty_like(ins[0])
-        s_out = torch.empty_like(s0)
-        snaps = ins[0].new_empty(B, H, (T + CHUNK - 1) // CHUNK, N, N)
-        sas = torch.empty_like(ins[0])
-        fn = _library().wkv7_forward_f64 if cdt == torch.float64 else _library().wkv7_forward_f32
-        fn(*map(ptr, (*ins, s0, y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
+        y, s_out, snaps, sas = torch.ops.rwkvx.wkv7_cpu_fwd(*ins, state.detach().to(cdt).contiguous())
         ctx.save_for_backward(*ins, snaps, sas)
         ctx.dtypes = (r.dtype, state.dtype)
         return y.to(r.dtype), s_out
@@ -46,16 +102,10 @@ class _WKV7CPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps, sas = ctx.saved_tensors
-        B, T, H, N = ins[0].shape
         cdt = ins[0].dtype
-        dy = dy.to(cdt).contiguous()
-        ds_out = ds_out.to(cdt).contiguous()
-        grads = [torch.empty_like(ins[0]) for _ in range(6)]
-        ds0 = torch.empty_like(ds_out)
-        fn = _library().wkv7_backward_f64 if cdt == torch.float64 else _library().wkv7_backward_f32
-        fn(*map(ptr, (*ins, snaps, sas, dy, ds_out, *grads, ds0)), B, T, H, N, CHUNK, torch.get_num_threads())
+        grads = torch.ops.rwkvx.wkv7_cpu_bwd(*ins, snaps, sas, dy.to(cdt), ds_out.to(cdt))
         in_dtype, state_dtype = ctx.dtypes
-        return (*(g.to(in_dtype) for g in grads), ds0.to(state_dtype))
+        return (*(g.to(in_dtype) for g in grads[:6]), grads[6].to(state_dtype))
 
 
 def wkv7_cpu(r, w, k, v, a, b, state):

@@ -1,0 +1,181 @@
+"""The CPU kernels as torch custom ops (docs/operators.md#the-cpu-kernels-as-torch-ops):
+each op's schema, fake implementation and registration pass `torch.library.opcheck`;
+Dynamo traces a model of every recurrent block kind with no graph break; and
+torch.compile(fullgraph=True) of the ops and of an RWKV-7 model matches eager, forward
+and backward. Tiny shapes: compiling on CPU takes seconds per graph."""
+
+import pytest
+import torch
+
+from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.models import build_model
+from rwkvx_cli.ops import gdn, kda, rwkv8, wkv4, wkv7
+from rwkvx_cli.ops.delta import cpu as delta_cpu
+from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
+from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
+from rwkvx_cli.ops.wkv7 import cpu as wkv7_cpu
+
+KERNELS = {"wkv7": wkv7_cpu, "wkv4": wkv4_cpu, "rwkv8": rwkv8_cpu, "delta": delta_cpu}
+unavailable = next((why for m in KERNELS.values() if (why := m.unavailable()) is not None), None)
+pytestmark = pytest.mark.skipif(unavailable is not None, reason=f"no CPU kernels here: {unavailable}")
+
+B, T, H, N = 2, 19, 2, 8  # T not a multiple of any kernel's snapshot interval
+
+
+@pytest.fixture(autouse=True)
+def _fresh_dynamo():
+    torch._dynamo.reset()
+    yield
+    torch._dynamo.reset()
+
+
+def rand(*shape, lo=-0.5, hi=0.5, gen):
+    return lo + (hi - lo) * torch.rand(*shape, generator=gen)
+
+
+def op_inputs(seed=0):
+    """Inputs for every op in its valid range, fp32, each with its own requires_grad leaf."""
+    gen = torch.Generator().manual_seed(seed)
+    kk = torch.nn.functional.normalize(torch.randn(B, T, H, N, generator=gen), dim=-1)
+    x = {
+        "wkv7": [
+            rand(B, T, H, N, gen=gen),
+            -0.6 * torch.rand(B, T, H, N, generator=gen),
+            rand(B, T, H, N, gen=gen),
+            rand(B, T, H, N, gen=gen),
+            -kk,
+            kk * torch.rand(B, T, H, N, generator=gen),
+            0.1 * rand(B, H, N, N, gen=gen),
+        ],
+        "wkv4": [
+            -torch.rand(H, N, generator=gen) - 0.1,
+            rand(H, N, gen=gen),
+            rand(B, T, H, N, gen=gen),
+            rand(B, T, H, N, gen=gen),
+            torch.rand(B, H, N, generator=gen),
+            torch.rand(B, H, N, generator=gen) + 0.5,
+            rand(B, H, N, gen=gen),
+        ],
+        "rwkv8": [
+            torch.rand(B, T, H, N, generator=gen),
+            rand(B, T, H, N, gen=gen),
+            0.5 + 0.5 * torch.rand(H, N, generator=gen),
+            torch.rand(B, H, N, N, generator=gen),
+            torch.rand(B, H, N, generator=gen) + 1.0,
+        ],
+    }
+    for op in ("gdn", "kda"):
+        x[op] = [
+            torch.nn.functional.normalize(torch.randn(B, T, H, N, generator=gen), dim=-1),
+            torch.nn.functional.normalize(torch.randn(B, T, H, N, generator=gen), dim=-1),
+            rand(B, T, H, N, gen=gen),
+            rand(*((B, T, H, N) if op == "kda" else (B, T, H)), lo=-0.7, hi=0.0, gen=gen),
+            torch.rand(B, T, H, generator=gen),
+            0.3 * torch.randn(B, H, N, N, generator=gen),
+        ]
+    return {op: [t.requires_grad_() for t in ts] for op, ts in x.items()}
+
+
+def all_ops_loss(x):
+    """Every op on the cpu backend, forward, one scalar over every output."""
+    y7, s7 = wkv7(*x["wkv7"], backend="cpu")
+    w, u, k, v, aa, bb, pp = x["wkv4"]
+    y4, s4 = wkv4(w, u, k, v, (aa, bb, pp), backend="cpu")
+    y8, rho, norm = rwkv8(*x["rwkv8"], backend="cpu")
+    yg, sg = gdn(*x["gdn"], backend="cpu")
+    yk, sk = kda(*x["kda"], backend="cpu")
+    outs = (y7, s7, y4, *s4, y8, rho, norm, yg, sg, yk, sk)
+    return sum((o * torch.linspace(-1, 1, o.numel()).view(o.shape)).sum() for o in outs)
+
+
+def test_every_kernel_is_a_custom_op_that_passes_opcheck():
+    x = {op: [t.detach() for t in ts] for op, ts in op_inputs().items()}
+    w7 = list(x["wkv7"])
+    w7[1] = torch.exp(w7[1])  # the kernel takes the effective decay
+    y, s_out, snaps, sas = torch.ops.rwkvx.wkv7_cpu_fwd(*w7)
+    w4 = x["wkv4"]
+    y4, aa, bb, pp, snaps4 = torch.ops.rwkvx.wkv4_cpu_fwd(*w4)
+    r8 = x["rwkv8"]
+    y8, rho, norm, snaps8, nsnaps8 = torch.ops.rwkvx.rwkv8_cpu_fwd(*r8)
+    q, k, v, g, beta, s0 = x["kda"]
+    chunk = delta_cpu.chunk_size(N, 4)
+    yd, sd, snapsd, wd = torch.ops.rwkvx.delta_cpu_fwd(q, k, v, g.exp(), beta, s0, 0.5, chunk)
+    calls = {
+        torch.ops.rwkvx.wkv7_cpu_fwd: tuple(w7),
+        torch.ops.rwkvx.wkv7_cpu_bwd: (*w7[:6], snaps, sas, torch.randn_like(y), torch.randn_like(s_out)),
+        torch.ops.rwkvx.wkv4_cpu_fwd: tuple(w4),
+        torch.ops.rwkvx.wkv4_cpu_bwd: (*w4[:4], aa, bb, snaps4, *map(torch.randn_like, (y4, aa, bb, pp))),
+        torch.ops.rwkvx.rwkv8_cpu_fwd: tuple(r8),
+        torch.ops.rwkvx.rwkv8_cpu_bwd: (*r8[:3], snaps8, nsnaps8, *map(torch.randn_like, (y8, rho, norm))),
+        torch.ops.rwkvx.delta_cpu_fwd: (q, k, v, g.exp(), beta, s0, 0.5, chunk),
+        torch.ops.rwkvx.delta_cpu_bwd: (
+            *(q, k, g.exp(), beta, snapsd, wd, torch.randn_like(yd), torch.randn_like(sd)),
+            *(0.5, chunk),
+        ),
+    }
+    for op, args in calls.items():
+        torch.library.opcheck(op, args)
+
+
+def test_the_ops_compile_with_no_graph_break_and_match_eager():
+    x = op_inputs()
+    leaves = [t for ts in x.values() for t in ts]
+    eager = all_ops_loss(x)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    explained = torch._dynamo.explain(all_ops_loss)(x)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+    compiled = torch.compile(all_ops_loss, fullgraph=True)(x)
+    compiled_grads = torch.autograd.grad(compiled, leaves)
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def tiny_model(kind: str):
+    cfg = ModelConfig(vocab_size=61, n_embd=32, head_size=16)
+    cfg.layers, cfg.n_layer, cfg.n_attn = [kind], 1, 0
+    model = build_model(cfg, 0)
+    gen = torch.Generator().manual_seed(1)
+    with torch.no_grad():  # init zeroes the output projections: perturb so the time mix counts
+        for p in model.parameters():
+            p.add_(0.05 * torch.randn(p.shape, generator=gen))
+    return model
+
+
+def model_loss(model, idx):
+    logits, state = model(idx)
+    return logits.float().square().mean() + sum(s.float().square().mean() for st in state for s in st.values())
+
+
+IDX = torch.randint(0, 61, (2, 21), generator=torch.Generator().manual_seed(0))
+
+
+@pytest.mark.parametrize("kind", ["rwkv7", "rwkv4", "gdn", "kda", "rwkv8"])
+def test_dynamo_traces_every_block_kind_in_one_graph(kind):
+    model = tiny_model(kind)
+    explained = torch._dynamo.explain(model_loss)(model, IDX)
+    assert explained.graph_break_count == 0, explained.break_reasons
+    assert explained.graph_count == 1
+
+
+def check_compiled_model(kind: str):
+    model = tiny_model(kind)
+    params = [p for p in model.parameters() if p.requires_grad]
+    eager = model_loss(model, IDX)
+    eager_grads = torch.autograd.grad(eager, params)
+    compiled = torch.compile(model_loss, fullgraph=True)(model, IDX)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+    for p, want in zip(params, eager_grads, strict=True):
+        torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_compiled_rwkv7_model_matches_eager_forward_and_backward():
+    check_compiled_model("rwkv7")
+
+
+@pytest.mark.slow  # one inductor compile of a model each: about half a minute on 2 CPU cores
+@pytest.mark.parametrize("kind", ["rwkv4", "gdn", "kda", "rwkv8"])
+def test_a_compiled_model_of_each_other_kind_matches_eager(kind):
+    check_compiled_model(kind)
