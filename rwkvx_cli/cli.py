@@ -100,7 +100,14 @@ def gradcheck(
         specs = [get_op(name) for name in (op_names() if op == "all" else [op])]
     except KeyError as e:
         raise UsageError(e.args[0]) from None
-    chosen = [(spec, _gradcheck_backends(spec, backend)) for spec in specs]  # every usage error first
+    if op == "all" and backend:  # each op with the named backends it has (moba has no `cpu`)
+        picked = {spec.name: [n for n in backend if n == "auto" or n in spec.backends] for spec in specs}
+        specs = [spec for spec in specs if picked[spec.name]]
+        if not specs:
+            raise UsageError(f"--backend {', '.join(backend)}: no op has such a backend")
+        chosen = [(spec, _gradcheck_backends(spec, picked[spec.name])) for spec in specs]
+    else:
+        chosen = [(spec, _gradcheck_backends(spec, backend)) for spec in specs]  # every usage error first
     from rwkvx_cli.memcheck import check_op_shape
 
     for spec in specs:  # fp64: at least three inputs and the output of each case

@@ -146,3 +146,14 @@ def test_gradcheck_all_checks_every_registered_op(monkeypatch, tmp_path):
     assert "FAIL all: 1 of 2 ops passed" in result.stdout and "failed: toybad" in result.stdout
     data = json.loads(path.read_text())
     assert data["passed"] is False and [r["op"] for r in data["ops"]] == ["toybad", "toyscan"]
+
+
+def test_gradcheck_all_with_a_backend_skips_the_ops_without_it(monkeypatch):
+    good = _toy_spec(_scan_cumsum)
+    other = dataclasses.replace(good, name="toyother", backends={"reference": good.backends["reference"]})
+    monkeypatch.setattr(registry, "_OPS", {"toyscan": good, "toyother": other})
+    result = invoke("gradcheck", "--op", "all", "--backend", "cumsum")
+    assert result.exit_code == 0, result.output
+    assert "PASS toyscan" in result.stdout and "toyother" not in result.stdout
+    result = invoke("gradcheck", "--op", "all", "--backend", "nosuch")
+    assert result.exit_code == 2 and "no op has such a backend" in result.stderr
