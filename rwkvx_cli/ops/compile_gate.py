@@ -46,7 +46,6 @@ DTYPES = ("fp32", "bf16")
 # N = 128 above all).
 SPILL_BUDGETS: dict[tuple[str, str, int], int] = {
     ("delta", "_bwd_kernel", 128): 1040,
-    ("rwkv8", "_bwd_kernel", 128): 20,
     ("wkv7", "_bwd_intra_kernel", 64): 870,
     ("wkv7", "_bwd_intra_kernel", 128): 880,
     ("wkv7", "_bwd_kernel", 64): 220,
@@ -57,6 +56,13 @@ SPILL_BUDGETS: dict[tuple[str, str, int], int] = {
     ("wkv7", "_intra_kernel", 64): 430,
     ("wkv7", "_intra_kernel", 128): 1570,
 }
+
+
+# Ops whose value width is not the head size, recorded once more with it this many times N (a
+# case option E): rwkv8's shared value head has the model width as its value width. Its kernels
+# tile the value width, so every E >= 32 compiles to the same kernel (recorded at the smallest N
+# only: the interpreter's time grows with E).
+WIDE_VALUE: dict[str, int] = {"rwkv8": 4}
 
 
 def spill_budget(launch: Launch) -> int:
@@ -187,22 +193,26 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
                 if "triton" not in bk.name or not bk.production or bk.unavailable() is not None:
                     continue
                 for N in head_sizes:
+                    wide = name in WIDE_VALUE and N == min(head_sizes)  # one N is enough: the same kernel
+                    widths = [{}] + ([{"E": WIDE_VALUE[name] * N, "Hv": 1}] if wide else [])
                     for dt in dtypes:
-                        origin[0] = f"{name}/{bk.name} N={N} {dt}"
-                        _run_backend(spec, bk, N, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt])
+                        for extra in widths:
+                            tag = f" E={extra['E']}" if extra else ""
+                            origin[0] = f"{name}/{bk.name} N={N}{tag} {dt}"
+                            _run_backend(spec, bk, N, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt], extra)
     finally:
         InterpretedFunction.run = original
     return list(seen.values())
 
 
-def _run_backend(spec, bk, N: int, T: int, dtype) -> None:
+def _run_backend(spec, bk, N: int, T: int, dtype, options: dict | None = None) -> None:
     import torch
 
     from rwkvx_cli.ops.registry import Case
 
     base = spec.fd_case
     dims = {**base.dims, "B": 1, "H": 1, "T": T, "N": N}
-    case = Case(f"compile_gate_N{N}", dims, True, dict(base.options))
+    case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **(options or {})})
     tensors = spec.sample(case, torch.Generator().manual_seed(0))
     inputs = {
         k: (v.to(dtype) if k in spec.inputs else v.float()).requires_grad_(v.is_floating_point())

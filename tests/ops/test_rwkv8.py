@@ -191,3 +191,33 @@ def test_auto_falls_back_to_the_chunked_form_without_a_compiler(monkeypatch):
     monkeypatch.setattr(registry, "_WARNED", set())
     with pytest.warns(RuntimeWarning, match="'cpu' backend is unavailable \\(no compiler here\\); using 'chunked'"):
         assert resolve_backend(SPEC, "auto", torch.device("cpu")).name == "chunked"
+
+
+@pytest.mark.parametrize(
+    "shape",
+    [
+        dict(B=1, T=37, H=1, L=16, E=80, Hv=1),
+        dict(B=1, T=37, H=1, L=16, E=80, Hv=1, zero_state=True),
+        dict(B=2, T=19, H=2, L=40, E=80, Hv=2),  # two row blocks too, the last partial
+    ],
+    ids=["init_state", "zero_state", "row_blocks"],
+)
+def test_fp64_triton_value_width_past_one_value_block(shape):
+    """A value width over several value blocks, the last one partial (80 = 2 * 32 + 16), and a ragged
+    T over three snapshot chunks: the per-block partials (y, dq, Σ dz z, dd, the norm's gradient)
+    add up to the reference's, with and without an initial state."""
+    if "triton" not in PRODUCTION or SPEC.backends["triton"].unavailable():
+        pytest.skip("triton cannot run here")  # conftest sets TRITON_INTERPRET=1 on CPU
+    x = make_inputs(**shape)
+    assert_all_close(run_with_grads("triton", x), run_with_grads("reference", x))
+
+
+def test_triton_refuses_a_size_it_cannot_index():
+    if "triton" not in PRODUCTION or SPEC.backends["triton"].unavailable():
+        pytest.skip("triton cannot run here")
+    from rwkvx_cli.ops.rwkv8.fused_triton import index_offsets
+
+    offsets = index_offsets(8, 4096, 64, 64, 4096)  # a shared value head at model width 4096
+    assert offsets["state snapshots"] == 8 * 64 * 256 * 64 * 4096 - 1
+    with pytest.raises(ValueError, match="rwkv8 triton: a program's tile offsets reach"):
+        index_offsets(1, 16, 1, 2**16, 2**15)  # L * E = 2^31: past the int32 tile offsets

@@ -92,10 +92,10 @@ def test_wrappers_check_before_launching(monkeypatch):
 
 
 def test_rwkv8_refuses_a_value_width_its_tile_cannot_index():
-    # the per-program tile offsets stay int32: CHUNK * 32 * E passes 2^31 at E = 2^22
-    q = _huge(1, 16, 1, 32)
+    # the per-program tile offsets stay int32: the state tile's L * E reaches 2^31 at L = 32, E = 2^26
+    q, E = _huge(1, 16, 1, 32), 2**26
     with pytest.raises(ValueError, match="int32"):
-        rwkv8_ft.rwkv8_triton(q, _huge(1, 16, 1, 2**22), _huge(1, 32), (_huge(1, 1, 32, 2**22), _huge(1, 1, 32)))
+        rwkv8_ft.rwkv8_triton(q, _huge(1, 16, 1, E), _huge(1, 32), (_huge(1, 1, 32, E), _huge(1, 1, 32)))
 
 
 def test_chunked_refuses_a_grid_cuda_cannot_launch():

@@ -1,12 +1,25 @@
 """rwkv8 `triton` backend: fused recurrent Triton kernels, forward and backward.
 
-Each program owns a block of BR latent rows of one (batch, head) state ρ [L, E]
-(all E columns) and its norm n, in fp32 registers (fp64 for fp64 inputs), and
-walks the sequence: a row of ρ evolves independently of the others. What needs
-every row is summed by torch afterwards from per-block partials: the output y
-(Σ over rows), dv (Σ over rows) and, for dq, Σ_l dz_l z_l. The forward saves
-the state every CHUNK steps; the backward recomputes each chunk's states into a
-scratch buffer and runs the reverse scan (formulas in csrc/rwkv8_cpu.cpp).
+Each program owns a tile of one (batch, head) state ρ [L, E]: a block of BR <= 32 latent
+rows by a block of BV <= 32 value columns, in fp32 registers (fp64 for fp64 inputs), plus
+the rows' norm n, and walks the sequence: every element of ρ evolves independently
+of the others, so the tile's register use depends on BR x BV only, not on the value
+width E (with the shared value head E is the model width, 768..4096 and more). What
+is computed over latents only (q̃'s normaliser Σ_l q + eps) is computed once by torch
+and read by every program; n (per row, O(BR) work) is recomputed by each value block.
+What needs every row or every column is summed by torch afterwards from per-block
+partials: the output y and dv (Σ over row blocks), dq, Σ_l dz_l z_l, dd and the
+initial norm's gradient (Σ over value blocks, and for Σ dz z over row blocks too).
+The norm's gradient dn obeys a recurrence driven by r = Σ_e ρ dy, a sum over all
+columns; it is linear, so each value block runs it on its own part of r (the final
+norm's gradient entering at value block 0) and the parts add up.
+
+The forward saves the state every CHUNK steps; the backward recomputes each chunk's
+states into a scratch buffer and runs the reverse scan (formulas in
+csrc/rwkv8_cpu.cpp). Memory the fused backward keeps per layer: the snapshots,
+B·H·⌈T/16⌉·L·(E + 1) fp32 values, i.e. H·L·(E + 1)/16 per token (4 bytes each;
+with the shared value head E = C the model width: at H·L = 4096 latents and
+C = 4096, 4 MiB per token and layer), plus the saved inputs q, v, d.
 
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32.
@@ -23,32 +36,33 @@ if triton is not None:
     _EPS = tl.constexpr(EPS)  # jit code reads a module global only as a constexpr
 
     @triton.jit
-    def _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT: tl.constexpr):
-        """Step t's q over this block's rows, Σ_l q + eps over all rows, and v; zeros for t >= T
-        (the last chunk may be partial: vector masks)."""
+    def _step_inputs(q, v, s, t, T, bi, h, H, Hv, L, E, rows, cols, DT: tl.constexpr):
+        """Step t's q over this tile's rows, Σ_l q + eps (precomputed), and v over its columns;
+        zeros for t >= T (the last chunk may be partial: vector masks)."""
         qbase = ((bi * T + t) * H + h) * L
-        q_all = tl.load(q + qbase + all_rows, mask=(all_rows < L) & ((all_rows * 0 + t) < T), other=0.0).to(DT)
         qr = tl.load(q + qbase + rows, mask=(rows < L) & ((rows * 0 + t) < T), other=0.0).to(DT)
         vh = tl.where(Hv > 1, h, 0)
         vt = tl.load(v + ((bi * T + t) * Hv + vh) * E + cols, mask=(cols < E) & ((cols * 0 + t) < T), other=0.0)
         vt = vt.to(DT)
-        return qr, tl.sum(q_all, axis=0) + _EPS, vt
+        st = tl.load(s + (bi * T + tl.minimum(t, T - 1)) * H + h).to(DT)  # past T: qr = 0, any s > 0 will do
+        return qr, st, vt
 
     @triton.jit
     def _fwd_kernel(
-        q, v, d, rho0, n0,
+        q, v, d, s, rho0, n0,
         y_p, rhoT, nT, snaps, nsnaps,
         T, H, Hv, L, E, PSTRIDE,
-        BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        BR: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * L * E, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
+        ic = tl.program_id(2)
         bi = bh // H
         h = bh % H
         rows = ir * BR + tl.arange(0, BR)
-        cols = tl.arange(0, BE)
-        all_rows = tl.arange(0, BL)
+        cols = ic * BV + tl.arange(0, BV)
         mr = rows < L
+        mn = mr & ((rows * 0 + ic) == 0)  # the norm (the same in every value block) is stored by block 0
         m2 = mr[:, None] & (cols < E)[None, :]
         off2 = rows[:, None] * E + cols[None, :]
         R = tl.load(rho0 + bh * L * E + off2, mask=m2, other=0.0).to(DT)
@@ -58,42 +72,46 @@ if triton is not None:
             if t % CHUNK == 0:
                 c = bh * NC + t // CHUNK
                 tl.store(snaps + c * L * E + off2, R, mask=m2)
-                tl.store(nsnaps + c * L + rows, n, mask=mr)
-            qr, s, vt = _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
-            z = qr / (s * (n + _EPS))
+                tl.store(nsnaps + c * L + rows, n, mask=mn)
+            qr, st, vt = _step_inputs(q, v, s, t, T, bi, h, H, Hv, L, E, rows, cols, DT)
+            z = qr / (st * (n + _EPS))
             y_part = tl.sum(z[:, None] * R, axis=0)
             tl.store(y_p + ir.to(tl.int64) * PSTRIDE + ((bi * T + t) * H + h) * E + cols, y_part, mask=cols < E)
             R = dr[:, None] * R + qr[:, None] * vt[None, :]
             n = dr * n + qr
         tl.store(rhoT + bh * L * E + off2, R, mask=m2)
-        tl.store(nT + bh * L + rows, n, mask=mr)
+        tl.store(nT + bh * L + rows, n, mask=mn)
 
     @triton.jit
     def _bwd_kernel(
-        q, v, d, snaps, nsnaps, dy, drhoT, dnT,
+        q, v, d, s, snaps, nsnaps, dy, drhoT, dnT,
         scratch, nscratch,
-        dq_p, zdz_p, dv_p, dd_rows, drho0, dn0,
-        T, H, Hv, L, E, PSTRIDE, QSTRIDE,
-        BR: tl.constexpr, BE: tl.constexpr, BL: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        dq_p, zdz_p, dv_p, dd_p, drho0, dn0_p,
+        T, H, Hv, L, E, PSTRIDE, QSTRIDE, LSTRIDE, SSTRIDE,
+        BR: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
     ):  # fmt: skip
-        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * N * N, ...) pass 2^31 at production sizes
+        bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * L * E, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
+        ic = tl.program_id(2)
         bi = bh // H
         h = bh % H
         lrow = tl.arange(0, BR)
+        lcol = tl.arange(0, BV)
         rows = ir * BR + lrow
-        cols = tl.arange(0, BE)
-        all_rows = tl.arange(0, BL)
+        cols = ic * BV + lcol
         mr = rows < L
         me = cols < E
         m2 = mr[:, None] & me[None, :]
         off2 = rows[:, None] * E + cols[None, :]
-        scr = scratch + (bh * tl.num_programs(1) + ir) * CHUNK * BR * BE  # [CHUNK, BR, BE]
-        nscr = nscratch + (bh * tl.num_programs(1) + ir) * CHUNK * BR
-        loc2 = lrow[:, None] * BE + cols[None, :]
+        prog = (bh * tl.num_programs(1) + ir) * tl.num_programs(2) + ic
+        scr = scratch + prog * CHUNK * BR * BV  # [CHUNK, BR, BV]
+        nscr = nscratch + prog * CHUNK * BR
+        loc2 = lrow[:, None] * BV + lcol[None, :]
+        icl = ic.to(tl.int64)
         dr = tl.load(d + h * L + rows, mask=mr, other=0.0).to(DT)
         dR = tl.load(drhoT + bh * L * E + off2, mask=m2, other=0.0).to(DT)
-        dn = tl.load(dnT + bh * L + rows, mask=mr, other=0.0).to(DT)
+        # dn is linear in r = Σ_e ρ dy: each value block carries its columns' part, block 0 the final dn
+        dn = tl.load(dnT + bh * L + rows, mask=mr & ((rows * 0 + ic) == 0), other=0.0).to(DT)
         dd = tl.zeros([BR], dtype=DT)
         for cc in range(NC):
             c = NC - 1 - cc
@@ -101,9 +119,9 @@ if triton is not None:
             R = tl.load(snaps + (bh * NC + c) * L * E + off2, mask=m2, other=0.0)
             n = tl.load(nsnaps + (bh * NC + c) * L + rows, mask=mr, other=0.0)
             for i in range(CHUNK):  # recompute the chunk's states before each step
-                tl.store(scr + i * BR * BE + loc2, R)
+                tl.store(scr + i * BR * BV + loc2, R)
                 tl.store(nscr + i * BR + lrow, n)
-                qr, s, vt = _step_inputs(q, v, t0 + i, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
+                qr, st, vt = _step_inputs(q, v, s, t0 + i, T, bi, h, H, Hv, L, E, rows, cols, DT)
                 R = dr[:, None] * R + qr[:, None] * vt[None, :]
                 n = dr * n + qr
             for j in range(CHUNK):  # the reverse scan
@@ -111,20 +129,20 @@ if triton is not None:
                 t = t0 + i
                 okr = mr & ((rows * 0 + t) < T)  # vector masks: the last chunk may be partial
                 okc = me & ((cols * 0 + t) < T)
-                Rp = tl.load(scr + i * BR * BE + loc2)
+                Rp = tl.load(scr + i * BR * BV + loc2)
                 np_ = tl.load(nscr + i * BR + lrow)
-                qr, s, vt = _step_inputs(q, v, t, T, bi, h, H, Hv, L, E, rows, cols, all_rows, DT)
+                qr, st, vt = _step_inputs(q, v, s, t, T, bi, h, H, Hv, L, E, rows, cols, DT)
                 base = (bi * T + t) * H + h
                 dyt = tl.load(dy + base * E + cols, mask=okc, other=0.0).to(DT)
                 im = 1.0 / (np_ + _EPS)
-                z = qr * im / s
+                z = qr * im / st
                 a = tl.sum(dR * vt[None, :], axis=1)
                 g = tl.sum(dR * Rp, axis=1)
                 r = tl.sum(Rp * dyt[None, :], axis=1)
                 tl.store(dv_p + ir.to(tl.int64) * PSTRIDE + base * E + cols, tl.sum(qr[:, None] * dR, axis=0), mask=okc)
-                tl.store(dq_p + base * L + rows, a + dn + r * im / s, mask=okr)
-                tl.store(  # the block's scalar Σ dz z, stored by lane 0
-                    zdz_p + ir.to(tl.int64) * QSTRIDE + base + lrow,
+                tl.store(dq_p + icl * LSTRIDE + base * L + rows, a + dn + r * im / st, mask=okr)
+                tl.store(  # the tile's scalar Σ dz z, stored by lane 0
+                    zdz_p + (ir * tl.num_programs(2) + icl) * QSTRIDE + base + lrow,
                     tl.sum(tl.where(okr, r * z, 0.0), axis=0) + lrow * 0.0,
                     mask=(lrow == 0) & okr,
                 )
@@ -132,29 +150,31 @@ if triton is not None:
                 dR = tl.where(okr[:, None], dr[:, None] * dR + z[:, None] * dyt[None, :], dR)
                 dn = tl.where(okr, dr * dn - r * z * im, dn)
         tl.store(drho0 + bh * L * E + off2, dR, mask=m2)
-        tl.store(dn0 + bh * L + rows, dn, mask=mr)
-        tl.store(dd_rows + bh * L + rows, dd, mask=mr)
+        tl.store(dn0_p + icl * SSTRIDE + bh * L + rows, dn, mask=mr)
+        tl.store(dd_p + icl * SSTRIDE + bh * L + rows, dd, mask=mr)
 
 
 def _blocks(L: int, E: int) -> tuple[int, int, int, int]:
-    """BR (latent rows per program), BE (columns, a power of two >= E), BL (>= L), NR (row blocks)."""
-    BL = triton.next_power_of_2(L)
-    BR = min(BL, 32)
-    return BR, triton.next_power_of_2(E), BL, triton.cdiv(L, BR)
+    """BR (latent rows per program, <= 32), BV (value columns per program, a power of two
+    <= 32: at 64 the backward spills ~1.5 KB per thread), NR and NV (the row and value blocks)."""
+    BR = min(triton.next_power_of_2(L), 32)
+    BV = min(triton.next_power_of_2(E), 32)
+    return BR, BV, triton.cdiv(L, BR), triton.cdiv(E, BV)
 
 
 def index_offsets(B: int, T: int, H: int, L: int, E: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
     cannot index. E is the value width: the model width with the shared value head."""
-    BR, BE, BL, NR = _blocks(L, E)
+    BR, BV, NR, NV = _blocks(L, E)
     NC = triton.cdiv(T, CHUNK)
     buffers = {
         "q": (B, T, H, L),
         "state snapshots": (B, H, NC, L, E),
         "output partials": (NR, B, T, H, E),
-        "scratch": (B * H * NR, CHUNK, BR, BE),
+        "dq partials": (NV, B, T, H, L),
+        "scratch": (B * H * NR * NV, CHUNK, BR, BV),
     }
-    return check_offsets("rwkv8 triton", buffers, tile=max(L * E, CHUNK * BR * BE))
+    return check_offsets("rwkv8 triton", buffers, tile=max(L * E, CHUNK * BR * BV))
 
 
 class _RWKV8Triton(torch.autograd.Function):
@@ -164,46 +184,46 @@ class _RWKV8Triton(torch.autograd.Function):
         Hv, E = v.shape[2], v.shape[3]
         index_offsets(B, T, H, L, E)  # before any copy or allocation
         ins, s0, cdt, DT = prepare((q, v, d), (rho, norm), q.dtype)
-        BR, BE, BL, NR = _blocks(L, E)
+        BR, BV, NR, NV = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)
+        s = ins[0].to(cdt).sum(-1) + EPS  # [B, T, H]: q̃'s normaliser, shared by every tile
         y_p = compute_empty(cdt, q.device)(NR, B, T, H, E)
         rho_out, norm_out = torch.empty_like(s0[0]), torch.empty_like(s0[1])
         snaps = s0[0].new_empty(B, H, NC, L, E)
         nsnaps = s0[0].new_empty(B, H, NC, L)
-        _fwd_kernel[(B * H, NR)](
-            *ins, *s0, y_p, rho_out, norm_out, snaps, nsnaps,
-            T, H, Hv, L, E, B * T * H * E, BR, BE, BL, CHUNK, NC, DT,
+        _fwd_kernel[(B * H, NR, NV)](
+            *ins, s, *s0, y_p, rho_out, norm_out, snaps, nsnaps,
+            T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT,
         )  # fmt: skip
-        ctx.save_for_backward(*ins, snaps, nsnaps)
+        ctx.save_for_backward(*ins, s, snaps, nsnaps)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
         return y_p.sum(0).to(q.dtype), rho_out, norm_out
 
     @staticmethod
     def backward(ctx, dy, drho, dnorm):
-        q, v, d, snaps, nsnaps = ctx.saved_tensors
+        q, v, d, s, snaps, nsnaps = ctx.saved_tensors
         B, T, H, L = q.shape
         Hv, E = v.shape[2], v.shape[3]
         (dy,), (drho, dnorm), cdt, DT = prepare((dy,), (drho, dnorm), q.dtype)
-        BR, BE, BL, NR = _blocks(L, E)
+        BR, BV, NR, NV = _blocks(L, E)
         NC = triton.cdiv(T, CHUNK)
         empty = compute_empty(cdt, q.device)
-        scratch = empty(B * H * NR * CHUNK * BR * BE)
-        nscratch = empty(B * H * NR * CHUNK * BR)
-        dq_local = empty(B, T, H, L)
-        zdz_p = empty(NR, B, T, H)
+        scratch = empty(B * H * NR * NV * CHUNK * BR * BV)
+        nscratch = empty(B * H * NR * NV * CHUNK * BR)
+        dq_p = empty(NV, B, T, H, L)
+        zdz_p = empty(NR * NV, B, T, H)
         dv_p = empty(NR, B, T, H, E)
-        dd_rows = empty(B, H, L)
-        drho0, dnorm0 = empty(B, H, L, E), empty(B, H, L)
-        _bwd_kernel[(B * H, NR)](
-            q, v, d, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_local, zdz_p, dv_p, dd_rows, drho0, dnorm0,
-            T, H, Hv, L, E, B * T * H * E, B * T * H, BR, BE, BL, CHUNK, NC, DT,
+        dd_p, dnorm0_p = empty(NV, B, H, L), empty(NV, B, H, L)
+        drho0 = empty(B, H, L, E)
+        _bwd_kernel[(B * H, NR, NV)](
+            q, v, d, s, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_p, zdz_p, dv_p, dd_p, drho0, dnorm0_p,
+            T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, CHUNK, NC, DT,
         )  # fmt: skip
-        s = q.to(cdt).sum(-1) + EPS  # [B, T, H]
-        dq = dq_local - (zdz_p.sum(0) / s)[..., None]
+        dq = dq_p.sum(0) - (zdz_p.sum(0) / s)[..., None]
         dv = dv_p.sum(0)
         if Hv == 1:
             dv = dv.sum(2, keepdim=True)
-        return cast_back((dq, dv, dd_rows.sum(0), drho0, dnorm0), ctx.dtypes)
+        return cast_back((dq, dv, dd_p.sum((0, 1)), drho0, dnorm0_p.sum(0)), ctx.dtypes)
 
 
 def rwkv8_triton(q, v, d, state):
