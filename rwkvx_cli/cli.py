@@ -48,6 +48,7 @@ def reports_errors(fn):
             err.print(f"[bold red]error:[/] {escape(str(e))}", soft_wrap=True)
             raise typer.Exit(e.exit_code) from None
         except Terminated:  # SIGTERM outside training's graceful stop (start-up)
+            signals.ignore_stop_signals()  # a second one must not interrupt the exit
             err.print("[bold red]terminated[/]")
             raise typer.Exit(143) from None
         except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
@@ -556,5 +557,9 @@ def main() -> None:
     try:
         app()
     except Terminated:  # before a command's own handler (reports_errors) is reached
+        signals.ignore_stop_signals()
         err.print("[bold red]terminated[/]")
         raise SystemExit(143) from None
+    finally:
+        # The command is over: a late SIGTERM must not interrupt the exit (atexit hooks, e.g. torch's).
+        signals.ignore_stop_signals()

@@ -76,6 +76,7 @@ def _assert_stable(spec, backend: str, T: int):
                 assert not c.vacuous, (long.name, c.name)
 
 
+@pytest.mark.slow  # T = 4096 through the interpreter: make test-slow (CI)
 @pytest.mark.parametrize("op", ["wkv7", "gdn"])
 def test_long_sequence_4096(op):
     _assert_stable(get_op(op), "chunked", 4096)

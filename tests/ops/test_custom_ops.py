@@ -117,6 +117,7 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck():
         torch.library.opcheck(op, args)
 
 
+@pytest.mark.slow  # an inductor compile of every op: make test-slow (CI)
 def test_the_ops_compile_with_no_graph_break_and_match_eager():
     x = op_inputs()
     leaves = [t for ts in x.values() for t in ts]
@@ -171,6 +172,7 @@ def check_compiled_model(kind: str):
         torch.testing.assert_close(p.grad, want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.slow  # an inductor compile of a model: make test-slow (CI)
 def test_a_compiled_rwkv7_model_matches_eager_forward_and_backward():
     check_compiled_model("rwkv7")
 

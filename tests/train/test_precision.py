@@ -175,6 +175,7 @@ def test_every_trainable_parameter_gets_a_gradient(stack, mode):
     assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None)
 
 
+@pytest.mark.slow  # two torchrun processes: make test-slow (CI)
 def test_fsdp_under_bf16_mixed_matches_one_process(tmp_path, corpus):
     """2 gloo ranks with FSDP2's bf16 MixedPrecisionPolicy (bf16 compute parameters, fp32 reduction)
     track a 1-process bf16-mixed run of the same global batch (bf16 parameters round a little more
