@@ -287,6 +287,8 @@ def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[tor
         for key, val in live.items():
             if key != "params" and not _same_kind(g.get(key), val):
                 raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
+            if isinstance(val, bool) and g.get(key) != val:  # a flag (amsgrad, maximize, ...) changes the algorithm
+                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}, this run's {val!r}")
     ids = [i for g in groups for i in g["params"]]
     if sorted(ids, key=str) != sorted(range(len(shapes)), key=str):
         raise bad("the parameter indices are not 0..n-1")
