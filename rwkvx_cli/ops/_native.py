@@ -163,3 +163,11 @@ def native_unavailable(library: Callable[[], ctypes.CDLL]) -> str | None:
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     """A tensor's data pointer for a C call (the caller keeps the tensor alive)."""
     return ctypes.c_void_p(t.data_ptr())
+
+
+def kernel_entry(library: Callable[[], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
+    """The fp32 or fp64 entry point `name` of an op's kernel library (`library()`, the op's own
+    loader), for `x`'s dtype: the kernels take nothing else."""
+    if x.dtype not in (torch.float32, torch.float64):
+        raise ValueError(f"the {op} cpu kernel takes float32 or float64 tensors, got {x.dtype}")
+    return getattr(library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")

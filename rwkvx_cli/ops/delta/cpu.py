@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
+from rwkvx_cli.ops._native import kernel_entry, load_library, native_unavailable, ptr
 
 SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a core's L2
 SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"
@@ -60,10 +60,7 @@ def _check(rc: int, N: int) -> None:
 
 
 def _kernel(name: str, x: Tensor):
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"the delta cpu kernel takes float32 or float64 tensors, got {x.dtype}")
-    lib = _library()
-    return getattr(lib, f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+    return kernel_entry(_library, "delta", name, x)
 
 
 @torch.library.custom_op("rwkvx::delta_cpu_fwd", mutates_args=(), device_types="cpu")

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._native import load_library, native_unavailable, ptr
+from rwkvx_cli.ops._native import kernel_entry, load_library, native_unavailable, ptr
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "rwkv8_cpu.cpp"
@@ -32,9 +32,7 @@ def unavailable() -> str | None:
 
 
 def _kernel(name: str, x: Tensor):
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"the rwkv8 cpu kernel takes float32 or float64 tensors, got {x.dtype}")
-    return getattr(_library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+    return kernel_entry(_library, "rwkv8", name, x)
 
 
 def _dims(q: Tensor, v: Tensor) -> tuple[int, ...]:
