@@ -27,13 +27,12 @@ import time
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 from rwkvx_cli.bench import matmul_peak_gflops, sync
 from rwkvx_cli.config import load_config
 from rwkvx_cli.models import build_model, parameter_groups
-from rwkvx_cli.models.losses import L2Wrap
 from rwkvx_cli.train import precision
+from rwkvx_cli.train.loop import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.train.run import model_summary
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
@@ -56,7 +55,7 @@ def bench_model(config: Path, steps: int, device: torch.device, overrides: list[
     model.grad_checkpointing = tc.grad_cp
     mode = precision.resolve(tc.precision, device)
     precision.set_matmul_precision(mode)
-    l2wrap = "rwkv7" in model.kinds if tc.l2wrap is None else tc.l2wrap
+    l2wrap = uses_l2wrap(cfg, model)
     opt = torch.optim.AdamW(parameter_groups(model, tc.lr, tc.weight_decay), lr=tc.lr)
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
@@ -64,12 +63,7 @@ def bench_model(config: Path, steps: int, device: torch.device, overrides: list[
 
     def step():
         with precision.autocast(mode, device):
-            if tc.head == "chunked":
-                loss, _ = model(idx[:, :-1], None, targets=idx[:, 1:], l2wrap=l2wrap)
-            else:
-                logits, _ = model(idx[:, :-1])
-                loss = F.cross_entropy(logits.float().flatten(0, 1), idx[:, 1:].reshape(-1))
-                loss = L2Wrap.apply(loss, logits) if l2wrap else loss
+            loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, tc.head, l2wrap)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -56,6 +56,21 @@ def micro_slices(global_rows: int, world_size: int, micro_batch: int) -> list[sl
     return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
 
+def uses_l2wrap(cfg: Config, model: LM) -> bool:
+    """train.l2wrap, or by default on for stacks with RWKV-7 blocks (as RWKV-LM)."""
+    return "rwkv7" in model.kinds if cfg.train.l2wrap is None else cfg.train.l2wrap
+
+
+def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool):
+    """Mean cross-entropy of one micro-batch and the state after it: the chunked head, or full
+    logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`. `forward` is the (wrapped) model."""
+    if head == "chunked":
+        return forward(x, state, y, l2wrap=l2wrap)
+    logits, new_state = forward(x, state)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return (L2Wrap.apply(loss, logits) if l2wrap else loss), new_state
+
+
 def pick_device(name: str) -> torch.device:
     if name == "auto":
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -185,7 +200,7 @@ class Trainer:
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.model.grad_checkpointing = t.grad_cp
-        self.l2wrap = "rwkv7" in self.model.kinds if t.l2wrap is None else t.l2wrap
+        self.l2wrap = uses_l2wrap(cfg, self.model)
 
     # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
@@ -249,12 +264,7 @@ class Trainer:
         return loss_value, lr, norm_value, applied
 
     def _loss(self, x, y, carry):
-        """Mean cross-entropy of one micro-batch and the state after it (train.head, train.l2wrap)."""
-        if self.cfg.train.head == "chunked":
-            return self.forward(x, carry, y, l2wrap=self.l2wrap)
-        logits, state = self.forward(x, carry)
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-        return (L2Wrap.apply(loss, logits) if self.l2wrap else loss), state
+        return micro_batch_loss(self.forward, x, y, carry, self.cfg.train.head, self.l2wrap)
 
     def _nonfinite(self, loss: float, norm: float) -> None:
         t = self.cfg.train
