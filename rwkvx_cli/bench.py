@@ -92,6 +92,11 @@ def _saved_bytes(fn: Callable[[], tuple]) -> tuple[object, int]:
     return out, sum(storages.values())
 
 
+def _leaves(outputs) -> list[torch.Tensor]:
+    """The tensors of an op's (y, state) output, however the state nests them."""
+    return [x for x in torch.utils._pytree.tree_leaves(outputs) if isinstance(x, torch.Tensor)]
+
+
 def bench_op(
     spec: OpSpec, bk: Backend, dims: dict[str, int], dtype: str, mode: str, device: torch.device, peak: float, seed=0
 ) -> BenchRow:
@@ -109,15 +114,24 @@ def bench_op(
     def call():
         return spec.call(bk, leaves, case)
 
+    # The backward gets dense cotangents, drawn once, as a layer's backward does in training
+    # (a loss `.sum()` would hand it stride-0 ones, which the kernels first copy to dense).
+    cotangents = None
+    if grad:
+        with torch.no_grad():
+            y, s = call()
+        gen = torch.Generator().manual_seed(seed + 1)
+        cotangents = [torch.randn(x.shape, generator=gen).to(device=device, dtype=x.dtype) for x in _leaves((y, s))]
+
     def step():
         for t in leaves.values():
             t.grad = None
         if not grad:
             with torch.no_grad():
                 return call()
-        y, s = call()
-        loss = y.float().sum() + sum(x.float().sum() for x in s)
-        loss.backward()
+        outs = _leaves(call())
+        pairs = [(x, g) for x, g in zip(outs, cotangents, strict=True) if x.requires_grad]
+        torch.autograd.backward(*zip(*pairs, strict=True))
 
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)

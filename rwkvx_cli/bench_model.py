@@ -19,10 +19,20 @@ the running total):
     grads_mb       the parameters' gradients (part of that peak)
     activation_mb  peak_mb - grads_mb: what the forward keeps for the backward,
                    plus the backward's transient buffers
+
+The steps are timed as one block (mean step time). With `vs_gpt` the config is compared with a
+nanoGPT-style transformer of the same shape (models/gpt.py: n_layer, n_embd, vocab_size, one
+head per model.head_size channels, train.ctx_len positions, tied head) trained in the same
+process on the same tokens: same B, T, device, precision, loss head (no L2Wrap), AdamW groups
+and number of steps. The two models' steps alternate (round i: RWKV then GPT, or GPT then
+RWKV on odd rounds), each step timed on its own, and both step times are medians over the
+rounds, so that the machine's noise hits both alike; `rwkv_over_gpt` = RWKV tokens/s / GPT
+tokens/s.
 """
 
 from __future__ import annotations
 
+import statistics
 import time
 from pathlib import Path
 
@@ -31,6 +41,7 @@ import torch
 from rwkvx_cli.bench import matmul_peak_gflops, sync
 from rwkvx_cli.config import load_config
 from rwkvx_cli.models import build_model, parameter_groups
+from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.train import precision
 from rwkvx_cli.train.loop import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.train.run import model_summary
@@ -48,7 +59,9 @@ def _inside_recurrence(event) -> bool:
     return False
 
 
-def bench_model(config: Path, steps: int, device: torch.device, overrides: list[str] = ()) -> dict:
+def bench_model(
+    config: Path, steps: int, device: torch.device, overrides: list[str] = (), vs_gpt: bool = False
+) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
     model = build_model(cfg.model, tc.seed).to(device)
@@ -61,20 +74,25 @@ def bench_model(config: Path, steps: int, device: torch.device, overrides: list[
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
 
-    def step():
-        with precision.autocast(mode, device):
-            loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, tc.head, l2wrap)
-        loss.backward()
-        opt.step()
-        opt.zero_grad(set_to_none=True)
-
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device)
     step()  # warm-up
     sync(device)
-    start = time.perf_counter()
-    for _ in range(steps):
-        step()
-    sync(device)
-    step_s = (time.perf_counter() - start) / steps
+    if vs_gpt:
+        gc = GPTConfig.matching(cfg)
+        gpt = GPT(gc, tc.seed).to(device)
+        gpt_parameters = sum(p.numel() for p in gpt.parameters())
+        gpt_flops = gpt.train_flops_per_token(T)
+        gpt_opt = torch.optim.AdamW(parameter_groups(gpt, tc.lr, tc.weight_decay), lr=tc.lr)
+        gpt_step = _train_step(gpt, gpt_opt, idx, tc.head, False, mode, device)  # no L2Wrap: nanoGPT's loss
+        gpt_step()  # warm-up
+        step_s, gpt_step_s = _interleaved(step, gpt_step, steps, device)
+        del gpt, gpt_opt, gpt_step  # the memory and profile below are the RWKV step's alone
+    else:
+        start = time.perf_counter()
+        for _ in range(steps):
+            step()
+        sync(device)
+        step_s = (time.perf_counter() - start) / steps
 
     memory = step_memory(step, model, device)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -97,7 +115,7 @@ def bench_model(config: Path, steps: int, device: torch.device, overrides: list[
     peak = matmul_peak_gflops(device, torch.bfloat16 if use_cuda else torch.float32)
     tokens_per_s = B * T / step_s
     mfu = tokens_per_s * summary["train_flops_per_token"] / (peak * 1e9) * 100
-    return {
+    result = {
         "config": str(config),
         "overrides": list(overrides),
         "device": str(device),
@@ -117,7 +135,60 @@ def bench_model(config: Path, steps: int, device: torch.device, overrides: list[
         "mfu_pct": mfu,
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
+        "parameters": summary["parameters"],
+        "timing": f"median of {steps} steps, interleaved with the GPT's" if vs_gpt else f"mean of {steps} steps",
     }
+    if vs_gpt:
+        gpt_tokens_per_s = B * T / gpt_step_s
+        result["gpt"] = {
+            "shape": f"{gc.n_layer} layers x {gc.n_embd} wide, {gc.n_head} heads, ctx {gc.ctx_len}, "
+            f"vocab {gc.vocab_size}, tied head",
+            "n_layer": gc.n_layer,
+            "n_embd": gc.n_embd,
+            "n_head": gc.n_head,
+            "ctx_len": gc.ctx_len,
+            "vocab_size": gc.vocab_size,
+            "tied_head": True,
+            "parameters": gpt_parameters,
+            "tokens_per_s": gpt_tokens_per_s,
+            "step_ms": gpt_step_s * 1e3,
+            "train_flops_per_token": gpt_flops,
+            "mfu_pct": gpt_tokens_per_s * gpt_flops / (peak * 1e9) * 100,
+            "flops_formula": "6 x matmul weights (the tied head once, no positional table) "
+            "+ 12 x n_layer x n_embd x ctx (attention scores and values, the full T x T square)",
+        }
+        result["rwkv_over_gpt"] = tokens_per_s / gpt_tokens_per_s
+    return result
+
+
+def _train_step(model, opt, idx: torch.Tensor, head: str, l2wrap: bool, mode: str, device: torch.device):
+    """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
+    loss under the precision's autocast, backward, the optimizer step, gradients freed."""
+
+    def step():
+        with precision.autocast(mode, device):
+            loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def _interleaved(step_a, step_b, rounds: int, device: torch.device) -> tuple[float, float]:
+    """Median seconds of one call of each step over `rounds` rounds; each round runs both, a then b,
+    or b then a on odd rounds, so that the machine's noise (and either step's after-effects on
+    caches and clocks) falls on both alike."""
+    times_a, times_b = [], []
+    for i in range(rounds):
+        pair = ((step_a, times_a), (step_b, times_b))
+        for step, times in pair if i % 2 == 0 else pair[::-1]:
+            sync(device)
+            start = time.perf_counter()
+            step()
+            sync(device)
+            times.append(time.perf_counter() - start)
+    return statistics.median(times_a), statistics.median(times_b)
 
 
 def step_memory(step, model: torch.nn.Module, device: torch.device) -> dict:

@@ -426,6 +426,9 @@ def bench(
     override: Annotated[
         list[str] | None, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")
     ] = None,
+    vs_gpt: Annotated[
+        bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT, interleaved; report the ratio.")
+    ] = False,
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")] = None,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
@@ -442,10 +445,12 @@ def bench(
     dev = pick_device(device)
     if override and model is None:
         raise UsageError("--set overrides a --model config; pass --model CFG")
+    if vs_gpt and model is None:
+        raise UsageError("--vs-gpt compares a --model config with a GPT; pass --model CFG")
     if model is not None:
         from rwkvx_cli.bench_model import bench_model
 
-        result = bench_model(model, steps, dev, override or [])
+        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt)
         render_model_bench(result)
         _write_json(json_path, result)
         return

@@ -297,12 +297,22 @@ def render_model_bench(r: dict) -> None:
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
         f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}"
     )
+    gpt = r.get("gpt")
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
-    table.add_column("value", justify="right")
+    table.add_column("this config" if gpt else "value", justify="right")
+    if gpt:
+        table.add_column("GPT", justify="right")
+
+    def fmt(val) -> str:
+        if val is None:
+            return ""
+        return f"{val:,.1f}" if isinstance(val, float) else f"{val:,}"
+
     for key, label in (
         ("tokens_per_s", "tokens/s"),
         ("step_ms", "ms / step"),
+        ("parameters", "parameters"),
         ("recurrence_pct", "recurrence ops %"),
         ("matmul_pct", "matmuls %"),
         ("other_pct", "other %"),
@@ -313,9 +323,16 @@ def render_model_bench(r: dict) -> None:
         ("grads_mb", "  of which gradients MiB"),
         ("activation_mb", "  activations + transients MiB"),
     ):
-        val = r[key]
-        table.add_row(label, f"{val:,.1f}" if isinstance(val, float) else f"{val:,}")
+        row = [label, fmt(r.get(key))]
+        if gpt:
+            row.append(fmt(gpt.get(key)))
+        table.add_row(*row)
     out.print(table)
+    if gpt:
+        out.print(
+            f"[bold]this config / GPT tokens/s: {r['rwkv_over_gpt']:.2f}x[/] · GPT: {gpt['shape']} · {r['timing']}"
+        )
+        out.print(f"[dim]GPT train FLOPs / token = {gpt['flops_formula']}[/]")
     out.print(f"[dim]{r['mfu_formula']}[/]")
 
 

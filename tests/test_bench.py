@@ -3,12 +3,19 @@ JSON contents, the speedup column, and usage errors. (Speed targets are read off
 the numbers by people, never asserted.)"""
 
 import json
+import math
+from pathlib import Path
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
+from rwkvx_cli.config import load_config
+from rwkvx_cli.models import build_model
+from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.ops import get_op, op_names
+from rwkvx_cli.train.loop import micro_batch_loss
 
 runner = CliRunner()
 
@@ -90,3 +97,77 @@ def test_bench_model_memory_follows_grad_cp_and_the_head(tmp_path):
 def test_bench_set_needs_a_model():
     result = runner.invoke(app, ["bench", "--set", "train.grad_cp=true"])
     assert result.exit_code == 2 and "--set" in result.stderr
+
+
+# --- `bench --model --vs-gpt`: the same-size GPT baseline (models/gpt.py) ---
+
+TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+
+
+def _tiny_gpt(**sets):
+    cfg = load_config(TINY, [f"{k}={v}" for k, v in sets.items()])
+    return cfg, GPT(GPTConfig.matching(cfg), seed=0)
+
+
+def test_gpt_matches_the_config_shape_and_size():
+    cfg, gpt = _tiny_gpt()
+    assert GPTConfig.matching(cfg) == GPTConfig(vocab_size=257, n_layer=4, n_embd=128, n_head=2, ctx_len=128)
+    n_gpt = sum(p.numel() for p in gpt.parameters())
+    n_rwkv = sum(p.numel() for p in build_model(cfg.model, 0).parameters())
+    # 4 x (12 C^2 + 13 C) + (V + ctx) x C + 2 C with the head tied to the token table
+    C, V, T = 128, 257, 128
+    assert n_gpt == 4 * (12 * C * C + 13 * C) + (V + T) * C + 2 * C
+    assert 0.5 < n_gpt / n_rwkv < 2
+
+
+def test_gpt_is_causal_and_its_attention_is_per_head_softmax():
+    _, gpt = _tiny_gpt(**{"train.ctx_len": 16})
+    gpt.eval()
+    idx = torch.randint(0, 257, (2, 16), generator=torch.Generator().manual_seed(0))
+    changed = idx.clone()
+    changed[:, 9] = (changed[:, 9] + 1) % 257
+    with torch.no_grad():
+        a, state = gpt(idx)
+        b, _ = gpt(changed)
+    assert state is None and a.shape == (2, 16, 257)
+    torch.testing.assert_close(a[:, :9], b[:, :9], rtol=0, atol=0)  # earlier positions: bit-identical
+    assert (a[:, 9:] - b[:, 9:]).abs().amax(-1).min() > 0  # that position and later ones see the change
+    # the fused attention = a masked softmax per head of C/H channels, q|k|v in the projection's order
+    attn, x = gpt.blocks[0].attn, torch.randn(2, 16, 128)
+    q, k, v = (t.view(2, 16, 2, 64).transpose(1, 2) for t in attn.qkv(x).split(128, dim=-1))
+    scores = (q @ k.transpose(-1, -2)) / 8.0
+    scores = scores.masked_fill(torch.ones(16, 16, dtype=torch.bool).triu(1), float("-inf"))
+    manual = attn.proj((scores.softmax(-1) @ v).transpose(1, 2).reshape(2, 16, 128))
+    torch.testing.assert_close(attn(x), manual, rtol=1e-5, atol=1e-5)
+
+
+def test_gpt_loss_is_the_same_through_either_head():
+    """The chunked cross-entropy (train.head=chunked) and full fp32 logits give the same loss."""
+    _, gpt = _tiny_gpt(**{"train.ctx_len": 16})
+    idx = torch.randint(0, 257, (2, 17), generator=torch.Generator().manual_seed(1))
+    chunked, _ = micro_batch_loss(gpt, idx[:, :-1], idx[:, 1:], None, "chunked", False)
+    full, _ = micro_batch_loss(gpt, idx[:, :-1], idx[:, 1:], None, "full", False)
+    torch.testing.assert_close(chunked, full)
+    assert abs(full.item() - math.log(257)) < 0.5  # about uniform at init
+
+
+def test_bench_model_vs_gpt(tmp_path):
+    path = tmp_path / "vs.json"
+    sets = ["--set", "train.ctx_len=32", "--set", "train.micro_batch=2"]
+    args = ["bench", "--model", str(TINY), "--vs-gpt", "--steps", "1", *sets, "--json", str(path)]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    gpt = data["gpt"]
+    assert data["tokens_per_s"] > 0 and gpt["tokens_per_s"] > 0
+    assert data["rwkv_over_gpt"] == pytest.approx(data["tokens_per_s"] / gpt["tokens_per_s"], rel=1e-12)
+    assert (gpt["n_layer"], gpt["n_embd"], gpt["n_head"], gpt["vocab_size"], gpt["ctx_len"]) == (4, 128, 2, 257, 32)
+    assert data["batch"] == 2 and data["ctx_len"] == 32 and gpt["tied_head"]
+    assert gpt["parameters"] == 4 * (12 * 128 * 128 + 13 * 128) + (257 + 32) * 128 + 2 * 128
+    assert 0 < gpt["mfu_pct"] < 100 and gpt["train_flops_per_token"] > 6 * 4 * 12 * 128 * 128
+    assert "GPT" in result.output and "interleaved" in data["timing"]
+
+
+def test_bench_vs_gpt_needs_a_model():
+    result = runner.invoke(app, ["bench", "--vs-gpt"])
+    assert result.exit_code == 2 and "--vs-gpt" in result.stderr
