@@ -9,7 +9,8 @@ autograd functions, forward and backward, with the aten calls they make), of
 the other matmul calls, and of everything else.
 
 The step is the trainer's: the config's loss head (train.head, train.l2wrap),
-train.grad_cp and train.precision. Memory of one step, gradients freed before it
+train.grad_cp, train.precision and train.compile (the warm-up step compiles).
+Memory of one step, gradients freed before it
 as the trainer does: on CUDA from the caching allocator's peak, on the CPU from
 the profiler's record of every allocation and free (sum in time order, peak of
 the running total):
@@ -74,7 +75,7 @@ def bench_model(
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
 
-    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device)
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile)
     step()  # warm-up
     sync(device)
     if vs_gpt:
@@ -83,7 +84,7 @@ def bench_model(
         gpt_parameters = sum(p.numel() for p in gpt.parameters())
         gpt_flops = gpt.train_flops_per_token(T)
         gpt_opt = torch.optim.AdamW(parameter_groups(gpt, tc.lr, tc.weight_decay), lr=tc.lr)
-        gpt_step = _train_step(gpt, gpt_opt, idx, tc.head, False, mode, device)  # no L2Wrap: nanoGPT's loss
+        gpt_step = _train_step(gpt, gpt_opt, idx, tc.head, False, mode, device, tc.compile)  # no L2Wrap: nanoGPT's
         gpt_step()  # warm-up
         step_s, gpt_step_s = _interleaved(step, gpt_step, steps, device)
         del gpt, gpt_opt, gpt_step  # the memory and profile below are the RWKV step's alone
@@ -161,13 +162,17 @@ def bench_model(
     return result
 
 
-def _train_step(model, opt, idx: torch.Tensor, head: str, l2wrap: bool, mode: str, device: torch.device):
+def _train_step(
+    model, opt, idx: torch.Tensor, head: str, l2wrap: bool, mode: str, device: torch.device, compile: bool = False
+):
     """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
-    loss under the precision's autocast, backward, the optimizer step, gradients freed."""
+    loss under the precision's autocast, backward, the optimizer step, gradients freed. With
+    `compile` (train.compile) the forward runs through torch.compile, as the trainer's does."""
+    forward = torch.compile(model) if compile else model
 
     def step():
         with precision.autocast(mode, device):
-            loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
+            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
