@@ -1,11 +1,15 @@
 """Triton, when installed, and whether its kernels can run here: on CUDA, or on
 CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, the test suite);
-plus what every Triton backend's autograd wrapper does around its kernels."""
+plus what every Triton backend's autograd wrapper does around its kernels, and how
+their launches become torch ops (`triton_op`, `wrap_triton`;
+docs/operators.md#the-triton-kernels-as-torch-ops)."""
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import os
+import threading
 from collections.abc import Callable, Iterable
 
 import torch
@@ -18,6 +22,7 @@ except ImportError:  # pragma: no cover - triton is a test/CUDA dependency
 
 __all__ = [
     "CHUNK",
+    "INTERPRETED",
     "cast_back",
     "check_offsets",
     "compute_dtype",
@@ -26,7 +31,9 @@ __all__ = [
     "state_blocks",
     "tl",
     "triton",
+    "triton_op",
     "unavailable",
+    "wrap_triton",
 ]
 
 # Steps per chunk of time in every Triton kernel: the fused kernels' state snapshot
@@ -119,3 +126,95 @@ def fused_state_offsets(kernel: str, B: int, T: int, H: int, N: int) -> dict[str
     }
     return check_offsets(kernel, buffers, tile=max(N * N, CHUNK * BV * BK))
 
+
+# -- the kernel launches as torch ops -----------------------------------------------------------
+
+if triton is not None:
+
+    @triton.jit
+    def _probe():
+        pass
+
+    # Whether @triton.jit made interpreted functions here (TRITON_INTERPRET=1 when the kernel
+    # modules were imported): what the decorator did, not what the environment says now.
+    INTERPRETED = type(_probe).__name__ == "InterpretedFunction"
+else:
+    INTERPRETED = False
+
+# torch.library.triton_op (torch >= 2.6) makes an op whose kernels torch.compile sees: Inductor
+# traces the op's body and launches the Triton kernels itself. With compiled kernels (CUDA) every
+# op is one. Under Triton's interpreter a triton_op still runs in eager mode (torch 2.13 hands the
+# interpreted kernel back from wrap_triton; earlier releases may refuse it), but its fake
+# implementation, the body run on fake tensors, hands them to the interpreter, which reads their
+# data: opcheck, Dynamo and torch.compile fail ("Cannot access data pointer of Tensor"); and its
+# functional decomposition would trace the body into a graph without the launches. There, and
+# without triton_op or without triton, each op is an opaque torch.library.custom_op instead, like
+# the C++ kernels': the same body, run as is on real tensors, and with every launch skipped as
+# the fake implementation (the outputs' shapes come from the body's own allocations).
+USE_TRITON_OP = (
+    triton is not None
+    and not INTERPRETED
+    and hasattr(torch.library, "triton_op")
+    and hasattr(torch.library, "wrap_triton")
+)
+
+_no_launch = threading.local()
+
+
+@contextlib.contextmanager
+def _shapes_only():
+    """Run an op's body for its output shapes: every launch in it is skipped."""
+    prev = getattr(_no_launch, "on", False)
+    _no_launch.on = True
+    try:
+        yield
+    finally:
+        _no_launch.on = prev
+
+
+class _Launcher:
+    """`kernel[grid](*args)`, skipped inside `_shapes_only` (the opaque op's fake implementation:
+    the body allocates the outputs on fake tensors, and the kernel must not see them)."""
+
+    def __init__(self, kernel):
+        self.kernel = kernel
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            if not getattr(_no_launch, "on", False):
+                self.kernel[grid](*args, **kwargs)
+
+        return launch
+
+
+def wrap_triton(kernel):
+    """The kernel as an op body launches it, `wrap_triton(kernel)[grid](*args)`:
+    torch.library.wrap_triton(kernel) in a triton_op (a traceable launch under torch.compile, the
+    plain launch in eager mode), else the plain launch, skipped in the fake implementation (see
+    USE_TRITON_OP). Under the interpreter that is `kernel[grid](*args)` itself, the call the
+    compile gate (compile_gate.py) records."""
+    if USE_TRITON_OP:
+        return torch.library.wrap_triton(kernel)
+    return _Launcher(kernel)
+
+
+def triton_op(name: str) -> Callable:
+    """Decorator: the function, which allocates its outputs (fresh tensors, never its inputs)
+    and launches its kernels through `wrap_triton`, as the torch op `name` ("rwkvx::...")
+    mutating none of its arguments: a torch.library.triton_op where that works, else an opaque
+    custom op whose fake implementation is the same body with no launch (see USE_TRITON_OP).
+    Type annotations on every argument and the return give the op's schema."""
+
+    def register(fn: Callable) -> Callable:
+        if USE_TRITON_OP:
+            return torch.library.triton_op(name, mutates_args=())(fn)
+        op = torch.library.custom_op(name, mutates_args=())(fn)
+
+        @op.register_fake
+        def _fake(*args, **kwargs):
+            with _shapes_only():
+                return fn(*args, **kwargs)
+
+        return op
+
+    return register

@@ -19,23 +19,32 @@ steps that change neither the state nor its gradient.
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the tests check
 it). Inputs fp32 or bf16 (fp64 for the gradient checks); state and accumulation
 fp32. A chunked (WY, tensor-core) Triton kernel is still to come.
+
+The two launches, with the sums of their partials, are torch ops,
+`torch.ops.rwkvx.delta_triton_fwd` and `torch.ops.rwkvx.delta_triton_bwd` (one pair for gdn
+and kda; docs/operators.md#the-triton-kernels-as-torch-ops), so torch.compile traces the
+autograd.Function around them with no graph break.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     CHUNK,
     cast_back,
     check_offsets,
+    compute_dtype,
     compute_empty,
     fused_state_offsets,
     prepare,
     state_blocks,
     tl,
     triton,
+    triton_op,
     unavailable,
+    wrap_triton,
 )
 
 if triton is not None:
@@ -160,19 +169,73 @@ def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     return fused_state_offsets("gdn/kda triton", B, T, H, N)
 
 
+@triton_op("rwkvx::delta_triton_fwd")
+def delta_triton_fwd(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor, beta: Tensor, s0: Tensor, scale: float
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel: q, k, v [B, T, H, N], the log gate g [B, T, H, G] (G = 1 for gdn,
+    N for kda), β [B, T, H], in one dtype, s0 [B, H, N, N] in the compute dtype, and the
+    output scale. Returns (y in the inputs' dtype, state_out, snapshots [B, H, NC, N, N])."""
+    B, T, H, N = q.shape
+    G = g.shape[-1]
+    q, k, v, g, beta, s0 = (x.contiguous() for x in (q, k, v, g, beta, s0))
+    _, DT = compute_dtype(q.dtype)
+    BK, BV, NVB = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    y = torch.empty_like(q)
+    s_out = torch.empty_like(s0)
+    snaps = s0.new_empty(B, H, NC, N, N)
+    wrap_triton(_fwd_kernel)[(B * H, NVB)](
+        q, k, v, g, beta, s0, y, s_out, snaps, scale, T, H, N, G, BK, BV, CHUNK, NC, DT
+    )
+    return y, s_out, snaps
+
+
+@triton_op("rwkvx::delta_triton_bwd")
+def delta_triton_bwd(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    g: Tensor,
+    beta: Tensor,
+    snaps: Tensor,
+    dy: Tensor,
+    ds_out: Tensor,
+    scale: float,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs and snapshots, the cotangents of y and
+    state_out in the compute dtype, the output scale. Returns (dq, dk, dv, dg, dβ, dstate) in
+    the compute dtype, each summed over the value blocks' partials."""
+    B, T, H, N = q.shape
+    G = g.shape[-1]
+    q, k, v, g, beta, snaps, dy, ds_out = (x.contiguous() for x in (q, k, v, g, beta, snaps, dy, ds_out))
+    cdt, DT = compute_dtype(q.dtype)
+    BK, BV, NVB = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    empty = compute_empty(cdt, dy.device)
+    scratch = empty(B * H * NVB * CHUNK * BK * BV)
+    scratch_w = empty(B * H * NVB * CHUNK * BV)
+    dv = empty(B, T, H, N)
+    ds0 = empty(B, H, N, N)
+    dq_p, dk_p, dg_p = (empty(NVB, B, T, H, N) for _ in range(3))
+    db_lanes = empty(B, T, H, N)  # w_j du_j: each value column belongs to one block
+    wrap_triton(_bwd_kernel)[(B * H, NVB)](
+        q, k, v, g, beta, snaps, dy, ds_out, scratch, scratch_w, dv, ds0, dq_p, dk_p, dg_p, db_lanes,
+        scale, T, H, B * T * H * N, N, G, BK, BV, CHUNK, NC, NVB, DT,
+    )  # fmt: skip
+    dq, dk, dg = dq_p.sum(0), dk_p.sum(0), dg_p.sum(0)
+    if G == 1:
+        dg = dg.sum(-1, keepdim=True)
+    return dq, dk, dv, dg, db_lanes.sum(-1), ds0
+
+
 class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, g, beta, state, scale):
         B, T, H, N = q.shape
-        G = g.shape[-1]
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), _, DT = prepare((q, k, v, g, beta), (state,), q.dtype)
-        BK, BV, NVB = state_blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        y = torch.empty_like(ins[0])
-        s_out = torch.empty_like(s0)
-        snaps = s0.new_empty(B, H, NC, N, N)
-        _fwd_kernel[(B * H, NVB)](*ins, s0, y, s_out, snaps, scale, T, H, N, G, BK, BV, CHUNK, NC, DT)
+        ins, (s0,), _, _ = prepare((q, k, v, g, beta), (state,), q.dtype)
+        y, s_out, snaps = torch.ops.rwkvx.delta_triton_fwd(*ins, s0, scale)
         ctx.save_for_backward(*ins, snaps)
         ctx.scale = scale
         ctx.dtypes = (q.dtype,) * 3 + (g.dtype, beta.dtype, state.dtype)
@@ -181,27 +244,9 @@ class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
-        B, T, H, N = ins[0].shape
-        G = ins[3].shape[-1]
-        BK, BV, NVB = state_blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), ins[0].dtype)
-        empty = compute_empty(cdt, dy.device)
-        scratch = empty(B * H * NVB * CHUNK * BK * BV)
-        scratch_w = empty(B * H * NVB * CHUNK * BV)
-        dv = empty(B, T, H, N)
-        ds0 = empty(B, H, N, N)
-        dq_p, dk_p, dg_p = (empty(NVB, B, T, H, N) for _ in range(3))
-        db_lanes = empty(B, T, H, N)  # w_j du_j: each value column belongs to one block
-        _bwd_kernel[(B * H, NVB)](
-            *ins, snaps, dy, ds_out, scratch, scratch_w, dv, ds0, dq_p, dk_p, dg_p, db_lanes,
-            ctx.scale, T, H, B * T * H * N, N, G, BK, BV, CHUNK, NC, NVB, DT,
-        )  # fmt: skip
-        dq, dk, dg = dq_p.sum(0), dk_p.sum(0), dg_p.sum(0)
-        if G == 1:
-            dg = dg.sum(-1, keepdim=True)
-        dbeta = db_lanes.sum(-1)
-        return (*cast_back((dq, dk, dv, dg, dbeta, ds0), ctx.dtypes), None)
+        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), ins[0].dtype)
+        grads = torch.ops.rwkvx.delta_triton_bwd(*ins, snaps, dy, ds_out, ctx.scale)
+        return (*cast_back(grads, ctx.dtypes), None)
 
 
 def delta_triton(q, k, v, g, beta, state, scale):

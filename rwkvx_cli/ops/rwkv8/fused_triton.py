@@ -23,13 +23,31 @@ C = 4096, 4 MiB per token and layer), plus the saved inputs q, v, d.
 
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32.
+
+The two launches, with the sums of their partials, are torch ops,
+`torch.ops.rwkvx.rwkv8_triton_fwd` and `torch.ops.rwkvx.rwkv8_triton_bwd`
+(docs/operators.md#the-triton-kernels-as-torch-ops), so torch.compile traces the
+autograd.Function around them with no graph break.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
+    CHUNK,
+    cast_back,
+    check_offsets,
+    compute_dtype,
+    compute_empty,
+    prepare,
+    tl,
+    triton,
+    triton_op,
+    unavailable,
+    wrap_triton,
+)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
 if triton is not None:
@@ -177,53 +195,90 @@ def index_offsets(B: int, T: int, H: int, L: int, E: int) -> dict[str, int]:
     return check_offsets("rwkv8 triton", buffers, tile=max(L * E, CHUNK * BR * BV))
 
 
+@triton_op("rwkvx::rwkv8_triton_fwd")
+def rwkv8_triton_fwd(
+    q: Tensor, v: Tensor, d: Tensor, s: Tensor, rho0: Tensor, n0: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: q [B, T, H, L], v [B, T, Hv, E], d [H, L] in one dtype, q̃'s
+    normaliser s = Σ_l q + eps [B, T, H] and the state ρ [B, H, L, E], n [B, H, L] in the
+    compute dtype. Returns (y [B, T, H, E] in the compute dtype, ρ and n at the end,
+    snapshots of ρ [B, H, NC, L, E] and of n [B, H, NC, L])."""
+    B, T, H, L = q.shape
+    Hv, E = v.shape[2], v.shape[3]
+    q, v, d, s, rho0, n0 = (x.contiguous() for x in (q, v, d, s, rho0, n0))
+    cdt, DT = compute_dtype(q.dtype)
+    BR, BV, NR, NV = _blocks(L, E)
+    NC = triton.cdiv(T, CHUNK)
+    y_p = compute_empty(cdt, q.device)(NR, B, T, H, E)
+    rho_out, norm_out = torch.empty_like(rho0), torch.empty_like(n0)
+    snaps = rho0.new_empty(B, H, NC, L, E)
+    nsnaps = rho0.new_empty(B, H, NC, L)
+    wrap_triton(_fwd_kernel)[(B * H, NR, NV)](
+        q, v, d, s, rho0, n0, y_p, rho_out, norm_out, snaps, nsnaps,
+        T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT,
+    )  # fmt: skip
+    return y_p.sum(0), rho_out, norm_out, snaps, nsnaps
+
+
+@triton_op("rwkvx::rwkv8_triton_bwd")
+def rwkv8_triton_bwd(
+    q: Tensor,
+    v: Tensor,
+    d: Tensor,
+    s: Tensor,
+    snaps: Tensor,
+    nsnaps: Tensor,
+    dy: Tensor,
+    drho: Tensor,
+    dnorm: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs, normaliser and snapshots, the cotangents of
+    y, ρ and n in the compute dtype. Returns (dq, dv, dd, dρ, dn) in the compute dtype, each
+    summed over the program blocks' partials (dv over the heads too with the shared value
+    head, Hv = 1)."""
+    B, T, H, L = q.shape
+    Hv, E = v.shape[2], v.shape[3]
+    q, v, d, s, snaps, nsnaps, dy, drho, dnorm = (x.contiguous() for x in (q, v, d, s, snaps, nsnaps, dy, drho, dnorm))
+    cdt, DT = compute_dtype(q.dtype)
+    BR, BV, NR, NV = _blocks(L, E)
+    NC = triton.cdiv(T, CHUNK)
+    empty = compute_empty(cdt, q.device)
+    scratch = empty(B * H * NR * NV * CHUNK * BR * BV)
+    nscratch = empty(B * H * NR * NV * CHUNK * BR)
+    dq_p = empty(NV, B, T, H, L)
+    zdz_p = empty(NR * NV, B, T, H)
+    dv_p = empty(NR, B, T, H, E)
+    dd_p, dnorm0_p = empty(NV, B, H, L), empty(NV, B, H, L)
+    drho0 = empty(B, H, L, E)
+    wrap_triton(_bwd_kernel)[(B * H, NR, NV)](
+        q, v, d, s, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_p, zdz_p, dv_p, dd_p, drho0, dnorm0_p,
+        T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, CHUNK, NC, DT,
+    )  # fmt: skip
+    dq = dq_p.sum(0) - (zdz_p.sum(0) / s)[..., None]
+    dv = dv_p.sum(0)
+    if Hv == 1:
+        dv = dv.sum(2, keepdim=True)
+    return dq, dv, dd_p.sum((0, 1)), drho0, dnorm0_p.sum(0)
+
+
 class _RWKV8Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, v, d, rho, norm):
         B, T, H, L = q.shape
-        Hv, E = v.shape[2], v.shape[3]
-        index_offsets(B, T, H, L, E)  # before any copy or allocation
-        ins, s0, cdt, DT = prepare((q, v, d), (rho, norm), q.dtype)
-        BR, BV, NR, NV = _blocks(L, E)
-        NC = triton.cdiv(T, CHUNK)
+        index_offsets(B, T, H, L, v.shape[3])  # before any copy or allocation
+        ins, s0, cdt, _ = prepare((q, v, d), (rho, norm), q.dtype)
         s = ins[0].to(cdt).sum(-1) + EPS  # [B, T, H]: q̃'s normaliser, shared by every tile
-        y_p = compute_empty(cdt, q.device)(NR, B, T, H, E)
-        rho_out, norm_out = torch.empty_like(s0[0]), torch.empty_like(s0[1])
-        snaps = s0[0].new_empty(B, H, NC, L, E)
-        nsnaps = s0[0].new_empty(B, H, NC, L)
-        _fwd_kernel[(B * H, NR, NV)](
-            *ins, s, *s0, y_p, rho_out, norm_out, snaps, nsnaps,
-            T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT,
-        )  # fmt: skip
+        y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_triton_fwd(*ins, s, *s0)
         ctx.save_for_backward(*ins, s, snaps, nsnaps)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
-        return y_p.sum(0).to(q.dtype), rho_out, norm_out
+        return y.to(q.dtype), rho_out, norm_out
 
     @staticmethod
     def backward(ctx, dy, drho, dnorm):
         q, v, d, s, snaps, nsnaps = ctx.saved_tensors
-        B, T, H, L = q.shape
-        Hv, E = v.shape[2], v.shape[3]
-        (dy,), (drho, dnorm), cdt, DT = prepare((dy,), (drho, dnorm), q.dtype)
-        BR, BV, NR, NV = _blocks(L, E)
-        NC = triton.cdiv(T, CHUNK)
-        empty = compute_empty(cdt, q.device)
-        scratch = empty(B * H * NR * NV * CHUNK * BR * BV)
-        nscratch = empty(B * H * NR * NV * CHUNK * BR)
-        dq_p = empty(NV, B, T, H, L)
-        zdz_p = empty(NR * NV, B, T, H)
-        dv_p = empty(NR, B, T, H, E)
-        dd_p, dnorm0_p = empty(NV, B, H, L), empty(NV, B, H, L)
-        drho0 = empty(B, H, L, E)
-        _bwd_kernel[(B * H, NR, NV)](
-            q, v, d, s, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_p, zdz_p, dv_p, dd_p, drho0, dnorm0_p,
-            T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, CHUNK, NC, DT,
-        )  # fmt: skip
-        dq = dq_p.sum(0) - (zdz_p.sum(0) / s)[..., None]
-        dv = dv_p.sum(0)
-        if Hv == 1:
-            dv = dv.sum(2, keepdim=True)
-        return cast_back((dq, dv, dd_p.sum((0, 1)), drho0, dnorm0_p.sum(0)), ctx.dtypes)
+        (dy,), (drho, dnorm), _, _ = prepare((dy,), (drho, dnorm), q.dtype)
+        grads = torch.ops.rwkvx.rwkv8_triton_bwd(q, v, d, s, snaps, nsnaps, dy, drho, dnorm)
+        return cast_back(grads, ctx.dtypes)
 
 
 def rwkv8_triton(q, v, d, state):

@@ -11,13 +11,30 @@ summed by torch.
 
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32.
+
+The two launches are torch ops, `torch.ops.rwkvx.wkv4_triton_fwd` and
+`torch.ops.rwkvx.wkv4_triton_bwd` (docs/operators.md#the-triton-kernels-as-torch-ops), so
+torch.compile traces the autograd.Function around them with no graph break.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable  # noqa: F401  (unavailable: re-exported)
+from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
+    CHUNK,
+    cast_back,
+    check_offsets,
+    compute_dtype,
+    compute_empty,
+    prepare,
+    tl,
+    triton,
+    triton_op,
+    unavailable,
+    wrap_triton,
+)
 
 if triton is not None:
 
@@ -173,40 +190,80 @@ def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
     return check_offsets("wkv4 triton", buffers, tile=CHUNK * 3 * BC)
 
 
+@triton_op("rwkvx::wkv4_triton_fwd")
+def wkv4_triton_fwd(
+    w: Tensor, u: Tensor, k: Tensor, v: Tensor, aa: Tensor, bb: Tensor, pp: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: w, u [H, N] (w the log decay), k, v [B, T, H, N], all in one dtype,
+    and the state aa, bb, pp [B, H, N] in the compute dtype. Returns (y in the inputs' dtype,
+    aa, bb, pp at the end, snapshots [B, NC, 3, H * N])."""
+    B, T, H, N = k.shape
+    C = H * N
+    w, u, k, v, aa, bb, pp = (x.contiguous() for x in (w, u, k, v, aa, bb, pp))
+    _, DT = compute_dtype(k.dtype)
+    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    y = torch.empty_like(k)
+    s_out = [torch.empty_like(aa) for _ in range(3)]
+    snaps = aa.new_empty(B, NC, 3, C)
+    wrap_triton(_fwd_kernel)[(B, triton.cdiv(C, BC))](w, u, k, v, aa, bb, pp, y, *s_out, snaps, T, C, BC, CHUNK, NC, DT)
+    return (y, *s_out, snaps)
+
+
+@triton_op("rwkvx::wkv4_triton_bwd")
+def wkv4_triton_bwd(
+    w: Tensor,
+    u: Tensor,
+    k: Tensor,
+    v: Tensor,
+    aaT: Tensor,
+    bbT: Tensor,
+    snaps: Tensor,
+    dy: Tensor,
+    daa: Tensor,
+    dbb: Tensor,
+    dpp: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs, its final aa, bb and snapshots, the
+    cotangents of y and of the final state in the compute dtype. Returns (dw, du, dk, dv,
+    daa, dbb, dpp) in the compute dtype (dw, du summed over the batch rows)."""
+    B, T, H, N = k.shape
+    C = H * N
+    w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp = (
+        x.contiguous() for x in (w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp)
+    )
+    cdt, DT = compute_dtype(k.dtype)
+    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    grid = (B, triton.cdiv(C, BC))
+    empty = compute_empty(cdt, k.device)
+    scratch = empty(B * grid[1] * CHUNK * 3 * BC)
+    dk, dv = empty(B, T, H, N), empty(B, T, H, N)
+    ds0 = [empty(B, H, N) for _ in range(3)]
+    dw_rows, du_rows = empty(B, H, N), empty(B, H, N)
+    wrap_triton(_bwd_kernel)[grid](
+        w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp, scratch, dk, dv, *ds0, dw_rows, du_rows,
+        T, C, BC, CHUNK, NC, DT,
+    )  # fmt: skip
+    return (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
+
+
 class _WKV4Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, w, u, k, v, aa, bb, pp):
         B, T, H, N = k.shape
         C = H * N
         index_offsets(B, T, C)  # before any copy or allocation
-        ins, s0, _, DT = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
-        BC, NC = _block(C), triton.cdiv(T, CHUNK)
-        y = torch.empty_like(ins[2])
-        s_out = [torch.empty_like(s0[0]) for _ in range(3)]
-        snaps = s0[0].new_empty(B, NC, 3, C)
-        _fwd_kernel[(B, triton.cdiv(C, BC))](*ins, *s0, y, *s_out, snaps, T, C, BC, CHUNK, NC, DT)
-        ctx.save_for_backward(*ins, s_out[0], s_out[1], snaps)
+        ins, s0, _, _ = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
+        y, aaT, bbT, ppT, snaps = torch.ops.rwkvx.wkv4_triton_fwd(*ins, *s0)
+        ctx.save_for_backward(*ins, aaT, bbT, snaps)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
-        return (y, *s_out)
+        return y, aaT, bbT, ppT
 
     @staticmethod
     def backward(ctx, dy, daa, dbb, dpp):
         w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
-        B, T, H, N = k.shape
-        C = H * N
-        (dy,), dstate, cdt, DT = prepare((dy,), (daa, dbb, dpp), k.dtype)
-        BC, NC = _block(C), triton.cdiv(T, CHUNK)
-        grid = (B, triton.cdiv(C, BC))
-        empty = compute_empty(cdt, k.device)
-        scratch = empty(B * grid[1] * CHUNK * 3 * BC)
-        dk, dv = empty(B, T, H, N), empty(B, T, H, N)
-        ds0 = [empty(B, H, N) for _ in range(3)]
-        dw_rows, du_rows = empty(B, H, N), empty(B, H, N)
-        _bwd_kernel[grid](
-            w, u, k, v, aaT, bbT, snaps, dy, *dstate, scratch, dk, dv, *ds0, dw_rows, du_rows,
-            T, C, BC, CHUNK, NC, DT,
-        )  # fmt: skip
-        return cast_back((dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0), ctx.dtypes)
+        (dy,), dstate, _, _ = prepare((dy,), (daa, dbb, dpp), k.dtype)
+        grads = torch.ops.rwkvx.wkv4_triton_bwd(w, u, k, v, aaT, bbT, snaps, dy, *dstate)
+        return cast_back(grads, ctx.dtypes)
 
 
 def wkv4_triton(w, u, k, v, state):

@@ -46,13 +46,32 @@ fp32 state and accumulation; inputs fp32, bf16 (or fp64, computed in fp64). Any 
 (ragged last chunk masked) and any N (tiles padded to a power of two >= 16 and
 masked); offsets are int64 (program ids cast), so large B·T·H·N cannot overflow them.
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (the test suite).
+
+The forward's launches (`_intra_kernel`, `_fwd_state_kernel`) are the torch op
+`torch.ops.rwkvx.wkv7_triton_chunked_fwd`, the backward's (`_intra_kernel`, `_bwd_state_kernel`,
+`_bwd_intra_kernel`) `torch.ops.rwkvx.wkv7_triton_chunked_bwd`
+(docs/operators.md#the-triton-kernels-as-torch-ops), so torch.compile traces the
+autograd.Function around them with no graph break.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
-from rwkvx_cli.ops._triton import CHUNK, cast_back, check_offsets, compute_empty, prepare, tl, triton, unavailable
+from rwkvx_cli.ops._triton import (
+    CHUNK,
+    cast_back,
+    check_offsets,
+    compute_dtype,
+    compute_empty,
+    prepare,
+    tl,
+    triton,
+    triton_op,
+    unavailable,
+    wrap_triton,
+)
 
 __all__ = ["CHUNK", "unavailable", "wkv7_triton_chunked"]
 
@@ -428,7 +447,7 @@ def _intra(ins, NC: int, cdt: torch.dtype, DT, prec: str) -> list[torch.Tensor]:
     mats = [empty(B * H, NC, CHUNK, CHUNK) for _ in range(4)]
     rows = [empty(B * H, NC * CHUNK, N) for _ in range(4)]
     ecl = empty(B * H, NC, N)
-    _intra_kernel[(NC, B * H)](
+    wrap_triton(_intra_kernel)[(NC, B * H)](
         w, a, b, k, r, *mats, *rows, ecl, T, H, NC, N, CHUNK, LOG2_CHUNK, BK, BKC, DT, prec, W_MIN,
         num_warps=PAIRWISE_WARPS,
     )  # fmt: skip
@@ -451,24 +470,72 @@ def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     return check_offsets("wkv7 triton_chunked", buffers, tile=N * N)
 
 
+@triton_op("rwkvx::wkv7_triton_chunked_fwd")
+def wkv7_triton_chunked_fwd(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, s0: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernels: r..b [B, T, H, N] in one dtype (w the log decay), s0 [B, H, N, N]
+    in the compute dtype. Returns (y in the compute dtype, the NC + 1 chunk-boundary states
+    [B, H, NC + 1, N, N], state_out)."""
+    B, T, H, N = r.shape
+    r, w, k, v, a, b, s0 = (x.contiguous() for x in (r, w, k, v, a, b, s0))
+    ins = (r, w, k, v, a, b)
+    cdt, DT = compute_dtype(r.dtype)
+    prec = _dot_precision(r.dtype)
+    BK, _, BV = _blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    consts = _intra(ins, NC, cdt, DT, prec)
+    # y in the compute dtype, rounded to the input dtype by torch (round-to-nearest-even;
+    # Triton's interpreter truncates fp32 -> bf16)
+    y = compute_empty(cdt, r.device)(B, T, H, N)
+    snaps = s0.new_empty(B, H, NC + 1, N, N)
+    s_out = torch.empty_like(s0)
+    wrap_triton(_fwd_state_kernel)[(B * H, triton.cdiv(N, BV))](
+        v, s0, *consts, y, snaps, s_out, T, H, NC, N, CHUNK, BK, BV, DT, prec
+    )
+    return y, snaps, s_out
+
+
+@triton_op("rwkvx::wkv7_triton_chunked_bwd")
+def wkv7_triton_chunked_bwd(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, snaps: Tensor, dy: Tensor, ds_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: the forward's inputs and chunk-boundary states, the cotangents of
+    y and state_out in the compute dtype. Returns (dr, dw, dk, dv, da, db, dstate) in the
+    compute dtype."""
+    B, T, H, N = r.shape
+    r, w, k, v, a, b, snaps, dy, ds_out = (x.contiguous() for x in (r, w, k, v, a, b, snaps, dy, ds_out))
+    cdt, DT = compute_dtype(r.dtype)
+    prec = _dot_precision(r.dtype)
+    BK, BKC, BV = _blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    consts = _intra((r, w, k, v, a, b), NC, cdt, DT, prec)
+    empty = compute_empty(cdt, r.device)
+    U = empty(B * H, NC * CHUNK, N)
+    dX = empty(B * H, NC * CHUNK, N)
+    dsnaps = empty(B, H, NC, N, N)
+    dv = empty(B, T, H, N)
+    ds0 = empty(B, H, N, N)
+    wrap_triton(_bwd_state_kernel)[(B * H, triton.cdiv(N, BV))](
+        v, dy, snaps, ds_out, *consts, U, dX, dv, dsnaps, ds0,
+        T, H, NC, N, CHUNK, BK, BV, DT, prec,
+    )  # fmt: skip
+    dr, dw, dk, da, db = (empty(B, T, H, N) for _ in range(5))
+    wrap_triton(_bwd_intra_kernel)[(NC, B * H, triton.cdiv(N, BKC))](
+        w, a, b, k, r, v, dy, U, dX, snaps, dsnaps, dr, dw, dk, da, db,
+        T, H, NC, N, CHUNK, BK, BKC, min(BK, VALUE_BLOCK), DT, prec, W_MIN,
+        num_warps=PAIRWISE_WARPS,
+    )  # fmt: skip
+    return dr, dw, dk, dv, da, db, ds0
+
+
 class _WKV7TritonChunked(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), cdt, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
-        prec = _dot_precision(r.dtype)
-        BK, _, BV = _blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        consts = _intra(ins, NC, cdt, DT, prec)
-        # y in the compute dtype, rounded to the input dtype by torch (round-to-nearest-even;
-        # Triton's interpreter truncates fp32 -> bf16)
-        y = compute_empty(cdt, r.device)(B, T, H, N)
-        snaps = s0.new_empty(B, H, NC + 1, N, N)
-        s_out = torch.empty_like(s0)
-        _fwd_state_kernel[(B * H, triton.cdiv(N, BV))](
-            ins[3], s0, *consts, y, snaps, s_out, T, H, NC, N, CHUNK, BK, BV, DT, prec
-        )
+        ins, (s0,), _, _ = prepare((r, w, k, v, a, b), (state,), r.dtype)
+        y, snaps, s_out = torch.ops.rwkvx.wkv7_triton_chunked_fwd(*ins, s0)
         ctx.save_for_backward(*ins, snaps)
         ctx.state_dtype = state.dtype
         return y.to(r.dtype), s_out
@@ -476,30 +543,10 @@ class _WKV7TritonChunked(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
-        r, w, k, v, a, b = ins
-        B, T, H, N = r.shape
-        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), r.dtype)
-        prec = _dot_precision(r.dtype)
-        BK, BKC, BV = _blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        consts = _intra(ins, NC, cdt, DT, prec)
-        empty = compute_empty(cdt, r.device)
-        U = empty(B * H, NC * CHUNK, N)
-        dX = empty(B * H, NC * CHUNK, N)
-        dsnaps = empty(B, H, NC, N, N)
-        dv = empty(B, T, H, N)
-        ds0 = empty(B, H, N, N)
-        _bwd_state_kernel[(B * H, triton.cdiv(N, BV))](
-            v, dy, snaps, ds_out, *consts, U, dX, dv, dsnaps, ds0,
-            T, H, NC, N, CHUNK, BK, BV, DT, prec,
-        )  # fmt: skip
-        dr, dw, dk, da, db = (empty(B, T, H, N) for _ in range(5))
-        _bwd_intra_kernel[(NC, B * H, triton.cdiv(N, BKC))](
-            w, a, b, k, r, v, dy, U, dX, snaps, dsnaps, dr, dw, dk, da, db,
-            T, H, NC, N, CHUNK, BK, BKC, min(BK, VALUE_BLOCK), DT, prec, W_MIN,
-            num_warps=PAIRWISE_WARPS,
-        )  # fmt: skip
-        return cast_back((dr, dw, dk, dv, da, db, ds0), (r.dtype,) * 6 + (ctx.state_dtype,))
+        r = ins[0]
+        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), r.dtype)
+        grads = torch.ops.rwkvx.wkv7_triton_chunked_bwd(*ins, snaps, dy, ds_out)
+        return cast_back(grads, (r.dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton_chunked(r, w, k, v, a, b, state):

@@ -11,23 +11,31 @@ block and summed by torch afterwards.
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32. This is the
 RWKV-LM-style design; the chunked (WY, tensor-core) form is chunked_triton.py.
+
+The two launches are torch ops, `torch.ops.rwkvx.wkv7_triton_fwd` and
+`torch.ops.rwkvx.wkv7_triton_bwd` (docs/operators.md#the-triton-kernels-as-torch-ops), so
+torch.compile traces the autograd.Function around them with no graph break.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import Tensor
 
 from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     CHUNK,
     cast_back,
     check_offsets,
+    compute_dtype,
     compute_empty,
     fused_state_offsets,
     prepare,
     state_blocks,
     tl,
     triton,
+    triton_op,
     unavailable,
+    wrap_triton,
 )
 
 if triton is not None:
@@ -140,18 +148,57 @@ def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     return fused_state_offsets("wkv7 triton", B, T, H, N)
 
 
+@triton_op("rwkvx::wkv7_triton_fwd")
+def wkv7_triton_fwd(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, s0: Tensor
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The forward kernel: r..b [B, T, H, N] in one dtype (w the log decay), s0 [B, H, N, N] in
+    the compute dtype. Returns (y in the inputs' dtype, state_out, snapshots [B, H, NC, N, N])."""
+    B, T, H, N = r.shape
+    r, w, k, v, a, b, s0 = (x.contiguous() for x in (r, w, k, v, a, b, s0))
+    _, DT = compute_dtype(r.dtype)
+    BK, BV, NV = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    y = torch.empty_like(r)
+    s_out = torch.empty_like(s0)
+    snaps = s0.new_empty(B, H, NC, N, N)
+    wrap_triton(_fwd_kernel)[(B * H, NV)](r, w, k, v, a, b, s0, y, s_out, snaps, T, H, N, BK, BV, CHUNK, NC, DT)
+    return y, s_out, snaps
+
+
+@triton_op("rwkvx::wkv7_triton_bwd")
+def wkv7_triton_bwd(
+    r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, snaps: Tensor, dy: Tensor, ds_out: Tensor
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs and snapshots, the cotangents of y and
+    state_out in the compute dtype. Returns (dr, dw, dk, dv, da, db, dstate), all in the
+    compute dtype (the column gradients summed over the row blocks' partials)."""
+    B, T, H, N = r.shape
+    r, w, k, v, a, b, snaps, dy, ds_out = (x.contiguous() for x in (r, w, k, v, a, b, snaps, dy, ds_out))
+    cdt, DT = compute_dtype(r.dtype)
+    BK, BV, NV = state_blocks(N)
+    NC = triton.cdiv(T, CHUNK)
+    empty = compute_empty(cdt, dy.device)
+    scratch = empty(B * H * NV * CHUNK * BV * BK)
+    scratch_sa = empty(B * H * NV * CHUNK * BV)
+    dv = empty(B, T, H, N)
+    ds0 = empty(B, H, N, N)
+    partials = [empty(NV, B, T, H, N) for _ in range(5)]  # dr, dw, dk, da, db
+    wrap_triton(_bwd_kernel)[(B * H, NV)](
+        r, w, k, v, a, b, snaps, dy, ds_out, scratch, scratch_sa, dv, ds0, *partials,
+        T, H, B * T * H * N, N, BK, BV, CHUNK, NC, NV, DT,
+    )  # fmt: skip
+    dr, dw, dk, da, db = (p.sum(0) for p in partials)
+    return dr, dw, dk, dv, da, db, ds0
+
+
 class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), _, DT = prepare((r, w, k, v, a, b), (state,), r.dtype)
-        BK, BV, NV = state_blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        y = torch.empty_like(ins[0])
-        s_out = torch.empty_like(s0)
-        snaps = s0.new_empty(B, H, NC, N, N)
-        _fwd_kernel[(B * H, NV)](*ins, s0, y, s_out, snaps, T, H, N, BK, BV, CHUNK, NC, DT)
+        ins, (s0,), _, _ = prepare((r, w, k, v, a, b), (state,), r.dtype)
+        y, s_out, snaps = torch.ops.rwkvx.wkv7_triton_fwd(*ins, s0)
         ctx.save_for_backward(*ins, snaps)
         ctx.state_dtype = state.dtype
         return y, s_out
@@ -159,23 +206,10 @@ class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
-        B, T, H, N = ins[0].shape
-        BK, BV, NV = state_blocks(N)
-        NC = triton.cdiv(T, CHUNK)
-        (dy,), (ds_out,), cdt, DT = prepare((dy,), (ds_out,), ins[0].dtype)
-        empty = compute_empty(cdt, dy.device)
-        scratch = empty(B * H * NV * CHUNK * BV * BK)
-        scratch_sa = empty(B * H * NV * CHUNK * BV)
-        dv = empty(B, T, H, N)
-        ds0 = empty(B, H, N, N)
-        partials = [empty(NV, B, T, H, N) for _ in range(5)]  # dr, dw, dk, da, db
-        _bwd_kernel[(B * H, NV)](
-            *ins, snaps, dy, ds_out, scratch, scratch_sa, dv, ds0, *partials,
-            T, H, B * T * H * N, N, BK, BV, CHUNK, NC, NV, DT,
-        )  # fmt: skip
-        dr, dw, dk, da, db = (p.sum(0) for p in partials)
+        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), ins[0].dtype)
+        grads = torch.ops.rwkvx.wkv7_triton_bwd(*ins, snaps, dy, ds_out)
         dtype = ins[0].dtype
-        return cast_back((dr, dw, dk, dv, da, db, ds0), (dtype,) * 6 + (ctx.state_dtype,))
+        return cast_back(grads, (dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton(r, w, k, v, a, b, state):
