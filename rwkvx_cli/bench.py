@@ -33,10 +33,14 @@ class BenchRow:
     repeats: int
     tokens_per_s: float
     gflops: float
-    pct_of_peak: float
+    pct_of_peak: float  # gflops / matmul_gflops
     memory_mb: float  # CUDA: peak allocated; CPU: bytes saved for backward plus outputs
     speedup: float | None = None  # baseline time / this time, same dims/dtype/mode
     error: str | None = None
+    # The matmul rate measured right before and right after this row (their mean): the
+    # denominator of pct_of_peak, so that a machine whose speed drifts during the run (a
+    # shared VM) divides each row by the rate it ran at.
+    matmul_gflops: float | None = None
 
 
 @dataclass
@@ -71,10 +75,11 @@ def timed(fn: Callable[[], object], device: torch.device, min_time: float = 0.5,
     return times
 
 
-def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048) -> float:
+def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, min_time: float = 0.3) -> float:
+    """This device's matmul rate: the best of repeated n³ products (at least `min_time` s)."""
     a = torch.randn(n, n, device=device).to(dtype)
     b = torch.randn(n, n, device=device).to(dtype)
-    best = min(timed(lambda: a @ b, device, min_time=0.3))
+    best = min(timed(lambda: a @ b, device, min_time=min_time))
     return 2 * n**3 / best / 1e9
 
 
@@ -170,8 +175,10 @@ def run_bench(
     device: torch.device,
     on_row: Callable[[str], None] | None = None,
 ) -> BenchReport:
-    peak = matmul_peak_gflops(device, torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype])
+    mm_dtype = torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype]
+    peak = matmul_peak_gflops(device, mm_dtype)
     report = BenchReport(str(device), torch.get_num_threads(), peak)
+    rate_before = peak  # the matmul rate measured last: before the next row
     if device.type == "cpu":
         try:
             report.cpu_isa = cpu_isa()
@@ -194,7 +201,12 @@ def run_bench(
                     if reason is not None:
                         rows.append(_skipped(spec, bk, dims, dtype, mode, reason))
                         continue
-                    rows.append(bench_op(spec, bk, dims, dtype, mode, device, peak))
+                    row = bench_op(spec, bk, dims, dtype, mode, device, rate_before)
+                    rate_after = matmul_peak_gflops(device, mm_dtype, min_time=0.1)
+                    row.matmul_gflops = (rate_before + rate_after) / 2
+                    row.pct_of_peak = row.gflops / row.matmul_gflops * 100
+                    rows.append(row)
+                    rate_before = rate_after
                 base = next((r for r in rows if r.backend == baseline and r.error is None), None)
                 for r in rows:
                     if base is not None and r.error is None:

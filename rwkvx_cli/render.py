@@ -263,12 +263,12 @@ def render_bench(report, baseline: str) -> None:
     )
     for head in ("op", "backend", "shape", "dtype", "mode"):
         table.add_column(head, no_wrap=True)
-    for head in ("median ms", "± spread", "tokens/s", "GFLOP/s", "% peak", "mem MiB", f"x {baseline}"):
+    for head in ("median ms", "± spread", "tokens/s", "GFLOP/s", "% peak", "matmul", "mem MiB", f"x {baseline}"):
         table.add_column(head, justify="right", no_wrap=True)
     for r in report.rows:
         shape = "×".join(str(r.dims[d]) for d in "BTHN")
         if r.error:
-            table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 6)
+            table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 7)
             continue
         table.add_row(
             r.op,
@@ -281,13 +281,15 @@ def render_bench(report, baseline: str) -> None:
             f"{r.tokens_per_s:,.0f}",
             f"{r.gflops:,.1f}",
             f"{r.pct_of_peak:.1f}",
+            f"{r.matmul_gflops:,.0f}" if r.matmul_gflops else "–",
             f"{r.memory_mb:,.1f}",
             f"{r.speedup:,.1f}" if r.speedup is not None else "–",
         )
     print_wide(table)
     out.print(
-        "[dim]GFLOP/s counts each op's useful FLOPs (docs/operators.md); % peak divides by the matmul rate measured "
-        "above; mem = bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
+        "[dim]GFLOP/s counts each op's useful FLOPs (docs/operators.md); % peak divides it by `matmul`, the "
+        "matmul rate measured just before and after the row (their mean; the title's: the run's first); mem = "
+        "bytes saved for backward plus outputs (CPU) or peak allocated (CUDA)[/]"
     )
 
 

@@ -39,6 +39,8 @@ def test_bench_every_op_writes_json(tmp_path):
         if r["backend"] == "reference":
             assert r["speedup"] == 1.0
         assert r["memory_mb"] > 0
+        # each row is divided by the matmul rate measured next to it, not the run's first probe
+        assert r["matmul_gflops"] > 0 and r["pct_of_peak"] == pytest.approx(r["gflops"] / r["matmul_gflops"] * 100)
     fwdbwd = [r for r in data["rows"] if r["mode"] == "fwdbwd" and r["op"] == "wkv7"]
     assert all(r["memory_mb"] > 0 for r in fwdbwd)
 
