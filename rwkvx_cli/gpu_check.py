@@ -13,6 +13,9 @@ kernel fails that step only:
   3. train      200 bf16 steps of configs/gpu-0.1b.yaml (ctx 4096, byte vocabulary, the
                 bundled corpus): tokens/s, MFU, peak memory, loss falling.
   4. auto       the backend `auto` picks per op on the device.
+  5. compile    every Triton backend through torch.compile(fullgraph=True) against eager, forward
+                and backward, at the ops' small gradient-check case: on CUDA the kernels are
+                torch.library.triton_ops that Inductor launches itself, which no CPU test can run.
 
 Each step's status (ok, FAIL, skipped) is in the report; the exit status is 1 if any failed.
 `--device cpu --quick` runs the same steps at tiny sizes (the test suite's check of the driver).
@@ -37,7 +40,7 @@ TRAIN_CONFIG = ROOT / "configs" / "gpu-0.1b.yaml"
 BENCH_SHAPE = "8,4096,64,64"
 TRAIN_STEPS = 200
 # Seconds per step (the whole run must stay under 6 minutes on one H100/H200).
-LIMITS = {"gradcheck": 90, "bench": 120, "train": 150, "auto": 60}
+LIMITS = {"gradcheck": 90, "bench": 120, "train": 150, "auto": 60, "compile": 240}
 
 
 @dataclass
@@ -231,7 +234,29 @@ def step_auto(device: str) -> Step:
     return step
 
 
-# -- the worker (one op's gradient checks, in its own process) -------------------------------------
+def step_compile(device: str, quick: bool) -> Step:
+    step = Step("compile")
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "compile.json"
+        cmd = _py("-m", "rwkvx_cli.gpu_check", "--worker", "compile", "--device", device, "--json", str(out))
+        # On the CPU (the test suite's quick run) the kernels run under Triton's interpreter.
+        _run(step, [*cmd, *(["--quick"] if quick else [])], LIMITS["compile"], _env(interpret=device == "cpu"))
+        results = json.loads(out.read_text()) if out.exists() else []
+    step.data = {"backends": results}
+    failed = [f"{r['op']} {r['backend']}: {r['error']}" for r in results if not r["passed"]]
+    ran = [r for r in results if not r.get("skipped")]
+    if failed:
+        step.status, step.detail = "FAIL", "; ".join(failed)
+    elif step.status == "ok" and not ran:
+        step.status = "skipped"
+        step.detail = "; ".join(sorted({r["skipped"] for r in results})) or "no Triton backend"
+    elif step.status == "ok":
+        names = ", ".join(f"{r['op']} {r['backend']} ({r['seconds']:.0f}s)" for r in ran)
+        step.detail = f"compiled (fullgraph) = eager, forward and backward: {names}"
+    return step
+
+
+# -- the workers (each in its own process) ---------------------------------------------------------
 
 
 def _worker_gradcheck(op: str, device: str, json_path: str) -> int:
@@ -249,6 +274,71 @@ def _worker_gradcheck(op: str, device: str, json_path: str) -> int:
         result["passed"] = True  # nothing of this op runs on the device
     Path(json_path).write_text(json.dumps(result))
     return 0 if result["passed"] else 1
+
+
+def compiled_matches_eager(op: str, backend: str, device: str) -> str | None:
+    """None when torch.compile(fullgraph=True) of the backend's forward and the gradient of a fixed
+    projection of its outputs equal eager's (fp32, the op's gradient-check case), else why not."""
+    import torch
+
+    from rwkvx_cli.ops import get_op
+
+    spec = get_op(op)
+    case = spec.fd_case
+    tensors = spec.sample(case, torch.Generator().manual_seed(0))
+    tensors = {k: v.to(device, torch.float32).requires_grad_(v.is_floating_point()) for k, v in tensors.items()}
+    leaves = [t for t in tensors.values() if t.requires_grad]
+
+    def loss(tensors):
+        y, states = spec.call(spec.backends[backend], tensors, case)
+        outs = (y, *states)
+        return sum((o * torch.linspace(-1, 1, o.numel(), device=o.device).view(o.shape)).sum() for o in outs)
+
+    eager = loss(tensors)
+    eager_grads = torch.autograd.grad(eager, leaves)
+    compiled = torch.compile(loss, fullgraph=True)(tensors)
+    compiled_grads = torch.autograd.grad(compiled, leaves)
+    try:
+        torch.testing.assert_close(compiled, eager, rtol=1e-5, atol=1e-5)
+        for got, want in zip(compiled_grads, eager_grads, strict=True):
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    except AssertionError as e:
+        return str(e).strip().splitlines()[0]
+    return None
+
+
+def _worker_compile(device: str, json_path: str, quick: bool) -> int:
+    """compiled_matches_eager for every Triton backend (quick: wkv7 `triton` only); a backend that
+    raises is a failure with the exception's first line."""
+    from rwkvx_cli.ops import get_op, op_names
+
+    results = []
+    for op in op_names():
+        for bk in get_op(op).backends.values():
+            if "triton" not in bk.name or bk.peer or (quick and (op, bk.name) != ("wkv7", "triton")):
+                continue
+            if device not in bk.devices or bk.unavailable() is not None:
+                results.append(
+                    {
+                        "op": op,
+                        "backend": bk.name,
+                        "passed": True,
+                        "error": None,
+                        "seconds": 0.0,
+                        "skipped": bk.unavailable() or f"does not run on {device}",
+                    }
+                )
+                continue
+            start = time.perf_counter()
+            try:
+                error = compiled_matches_eager(op, bk.name, device)
+            except Exception as e:  # noqa: BLE001 - reported per backend, the others still run
+                error = f"{type(e).__name__}: {(str(e).strip().splitlines() or [''])[0]}"
+            seconds = time.perf_counter() - start
+            results.append({"op": op, "backend": bk.name, "passed": error is None, "error": error, "seconds": seconds})
+            Path(json_path).write_text(json.dumps(results))  # after each: a crash keeps what ran
+    Path(json_path).write_text(json.dumps(results))
+    return 0 if all(r["passed"] for r in results) else 1
 
 
 # -- the report ------------------------------------------------------------------------------------
@@ -315,7 +405,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's CPU run)")
     p.add_argument("--out", default="bench", help="folder for gpu.json and gpu.md")
     p.add_argument("--ops", default="", help="comma-separated ops to gradcheck (default: all)")
-    p.add_argument("--steps", default="gradcheck,bench,train,auto", help="comma-separated steps to run")
+    p.add_argument("--steps", default="gradcheck,bench,train,auto,compile", help="comma-separated steps to run")
     p.add_argument("--fla-wheels", default=os.environ.get("FLA_WHEELS"), help="local folder of fla wheels")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--op", help=argparse.SUPPRESS)
@@ -323,6 +413,8 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.worker == "gradcheck":
         return _worker_gradcheck(args.op, args.device, args.json)
+    if args.worker == "compile":
+        return _worker_compile(args.device, args.json, args.quick)
 
     from rwkvx_cli.ops import op_names
 
@@ -339,6 +431,8 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(step_train(args.device, args.quick))
         elif name == "auto":
             steps.append(step_auto(args.device))
+        elif name == "compile":
+            steps.append(step_compile(args.device, args.quick))
         else:
             steps.append(Step(name, "FAIL", detail=f"unknown step {name!r}"))
     report = {

@@ -22,7 +22,7 @@ def test_gpu_check_quick_cpu_run(tmp_path):
     proc, report, md = _run(tmp_path, "--ops", "wkv4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["passed"] and report["failed"] == []
-    assert [s["name"] for s in report["steps"]] == ["gradcheck", "bench", "train", "auto"]
+    assert [s["name"] for s in report["steps"]] == ["gradcheck", "bench", "train", "auto", "compile"]
     assert all(s["status"] == "ok" for s in report["steps"])
     steps = {s["name"]: s for s in report["steps"]}
     assert steps["gradcheck"]["data"]["wkv4"]["passed"]
@@ -31,6 +31,9 @@ def test_gpu_check_quick_cpu_run(tmp_path):
     train = steps["train"]["data"]
     assert train["steps"] == 4 and train["loss_falling"] and train["tokens_per_s"] > 0
     assert set(steps["auto"]["data"]) >= {"wkv7", "wkv4", "rwkv8", "gdn", "kda"}
+    # quick: wkv7 `triton` alone, under the interpreter, compiled (fullgraph) against eager
+    [compiled] = steps["compile"]["data"]["backends"]
+    assert (compiled["op"], compiled["backend"], compiled["passed"]) == ("wkv7", "triton", True)
     assert report["environment"]["torch"]
     assert md.startswith("# rwkvx gpu-check") and "| gradcheck | ok |" in md and "tokens/s" in md
 
