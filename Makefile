@@ -14,7 +14,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
 
-.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test test-slow gpu-check clean
+.PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test test-slow test-aarch64 gpu-check clean
 
 install: $(STAMP)
 
@@ -62,6 +62,12 @@ gpu-compile-test: $(TEST_STAMP)
 # The tests of many minutes each (the compile gate, torch.compile with a warm cache): CI runs them.
 test-slow: $(TEST_STAMP)
 	$(BIN)/python -m pytest -q -m "slow or gpu_compile"
+
+# The aarch64 (NEON) build of the CPU kernels, cross-compiled and run under qemu-user, through
+# both gradient-check gates (part of test-slow). Needs Debian's g++-aarch64-linux-gnu and
+# qemu-user (`apt-get install g++-aarch64-linux-gnu qemu-user`); fails, not skips, without them.
+test-aarch64: $(TEST_STAMP)
+	RWKVX_REQUIRE_CROSS=1 $(BIN)/python -m pytest -q -m slow tests/ops/test_aarch64.py
 
 # On a GPU box: gradcheck every CUDA backend, bench wkv7 (fla's chunk_rwkv7 as a peer row
 # when FLA_WHEELS=<folder of fla wheels>), 200 bf16 training steps of configs/gpu-0.1b.yaml,

@@ -1,0 +1,123 @@
+"""The fused CPU kernels built for aarch64 and run under qemu-user, on an x86 machine.
+
+The aarch64 build is the `generic` one (no ISA flags): csrc/simd.h then gives 16-byte
+NEON vectors and blocks for 32 registers, code no x86 build compiles. `CrossBuild`
+compiles the four kernel libraries with the cross compiler and kernel_driver.cpp next
+to this file; `use_cross_build` points every op's `cpu` backend at them, so the ops'
+own wrappers, custom ops and autograd glue run unchanged and only the kernel calls
+cross over: each call's buffers go to the driver under qemu, and the buffers it hands
+back are copied into the tensors the wrapper allocated.
+
+Needs Debian's `g++-aarch64-linux-gnu` and `qemu-user` (`.ci/run` installs both).
+"""
+
+from __future__ import annotations
+
+import shutil
+import struct
+import subprocess
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from rwkvx_cli.ops import _native
+from rwkvx_cli.ops.delta import cpu as delta_cpu
+from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
+from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
+from rwkvx_cli.ops.wkv7 import cpu as wkv7_cpu
+
+CXX = "aarch64-linux-gnu-g++"
+QEMU = "qemu-aarch64"
+SYSROOT = Path("/usr/aarch64-linux-gnu")  # the cross toolchain's libc, libstdc++ and libgomp
+DRIVER = Path(__file__).with_name("kernel_driver.cpp")
+KERNEL_MODULES = (wkv7_cpu, wkv4_cpu, rwkv8_cpu, delta_cpu)
+NEON_BYTES = 16
+
+
+def tools_missing() -> str | None:
+    """None when the cross compiler, qemu and the sysroot are here, else what is missing."""
+    missing = [tool for tool in (CXX, QEMU) if shutil.which(tool) is None]
+    if not SYSROOT.is_dir():
+        missing.append(str(SYSROOT))
+    if missing:
+        return f"no {', '.join(missing)} (Debian: apt-get install g++-aarch64-linux-gnu qemu-user)"
+    return None
+
+
+class Buffer:
+    """What `ptr` returns for a cross call: the tensor itself, so the call can ship its bytes."""
+
+    def __init__(self, tensor: torch.Tensor):
+        if not tensor.is_contiguous():
+            raise ValueError("the kernels take contiguous tensors")
+        self.tensor = tensor
+
+
+@dataclass
+class CrossBuild:
+    """The driver and the four libraries, compiled for aarch64 into `directory`."""
+
+    directory: Path
+    calls: list[tuple[str, int]] = field(default_factory=list)  # (entry point, vector bytes) of every call
+
+    def __post_init__(self):
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.driver = self.directory / "kernel_driver"
+        subprocess.run([CXX, "-O2", "-std=c++17", str(DRIVER), "-o", str(self.driver), "-ldl"], check=True)
+        self.libraries = {}
+        for module in KERNEL_MODULES:
+            target = self.directory / f"{module.SOURCE.stem}.so"
+            _native.compile_library(module.SOURCE, "generic", target, compiler=CXX)
+            self.libraries[module] = target
+
+    def call(self, library: Path, symbol: str, args: tuple) -> int:
+        """One kernel call under qemu: the buffers' contents before it go over, after it come back."""
+        request = self.directory / "request.bin"
+        reply = self.directory / "reply.bin"
+        buffers = [a for a in args if isinstance(a, Buffer)]
+        with request.open("wb") as f:
+            f.write(struct.pack("<Q", len(symbol)) + symbol.encode())
+            for a in args:
+                if isinstance(a, Buffer):
+                    data = a.tensor.detach().numpy().tobytes()
+                    f.write(b"P" + struct.pack("<Q", len(data)) + data)
+                elif isinstance(a, float):
+                    f.write(b"D" + struct.pack("<d", a))
+                elif isinstance(a, int):
+                    f.write(b"I" + struct.pack("<q", a))
+                else:
+                    raise TypeError(f"{symbol}: cannot pass {type(a).__name__}")
+        proc = subprocess.run(
+            [QEMU, "-L", str(SYSROOT), str(self.driver), str(library), str(request), str(reply)],
+            capture_output=True,
+            text=True,
+        )
+        if proc.returncode != 0:
+            raise RuntimeError(f"{symbol} under qemu: exit {proc.returncode}: {proc.stderr.strip()}")
+        data = reply.read_bytes()
+        rc, width = struct.unpack_from("<qq", data)
+        offset = 16
+        with torch.no_grad():
+            for b in buffers:
+                n = b.tensor.numel() * b.tensor.element_size()
+                got = torch.frombuffer(bytearray(data[offset : offset + n]), dtype=b.tensor.dtype)
+                b.tensor.copy_(got.view(b.tensor.shape))
+                offset += n
+        if offset != len(data):
+            raise RuntimeError(f"{symbol} under qemu: the reply has {len(data) - offset} bytes too many")
+        self.calls.append((symbol, width))
+        return rc
+
+
+def use_cross_build(monkeypatch, build: CrossBuild) -> None:
+    """Every op's `cpu` kernel calls go to `build` for the rest of the test."""
+    for module in KERNEL_MODULES:
+        library = build.libraries[module]
+
+        def entry(name, x, library=library):
+            suffix = "f64" if x.dtype == torch.float64 else "f32"
+            return lambda *args: build.call(library, f"{name}_{suffix}", args)
+
+        monkeypatch.setattr(module, "ptr", Buffer)
+        monkeypatch.setattr(module, "_kernel", entry)
