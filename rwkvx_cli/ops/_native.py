@@ -1,6 +1,9 @@
-"""Compile a C++ kernel file into a shared library once per CPU ISA, cache it, load it with ctypes.
+"""Compile a C++ kernel file into a shared library once per CPU ISA and precision, cache it,
+load it with ctypes.
 
-Plain C ABI, no torch headers: a build takes about a second. The kernels include
+Plain C ABI, no torch headers. One library per precision (fp32 or fp64 entry points), so
+that the first fp32 use, training's, compiles only the fp32 code: 2-7 s per kernel with g++
+12 on the 2-core development machine, once per cache (docs/operators.md). The kernels include
 csrc/simd.h, whose vector width and register blocking follow the instruction set
 they are compiled for (see there). That is the best one this CPU runs (avx512,
 avx2 or generic), or the one RWKVX_CPU_ISA names, so that every build can be
@@ -29,6 +32,7 @@ import torch
 
 ENV = "RWKVX_CPU_ISA"
 ISAS = ("avx512", "avx2", "generic")  # best first
+PRECISIONS = {"f32": "-DRWKVX_FP32", "f64": "-DRWKVX_FP64"}  # which entry points a library exports
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
 HEADER_DIR = Path(__file__).parent / "csrc"  # simd.h: part of every build's cache key
 
@@ -80,17 +84,18 @@ def cpu_isa() -> str:
     return forced
 
 
-_LOADED: dict[tuple[Path, str], ctypes.CDLL | NativeBuildError] = {}
+_LOADED: dict[tuple[Path, str, str], ctypes.CDLL | NativeBuildError] = {}
 
 
-def load_library(source: Path) -> ctypes.CDLL:
-    """The library compiled for cpu_isa(); a failure is remembered, so it costs one attempt per process."""
+def load_library(source: Path, precision: str = "f32") -> ctypes.CDLL:
+    """The library of `source`'s `precision` ("f32" or "f64") entry points, compiled for
+    cpu_isa(); a failure is remembered, so it costs one attempt per process."""
     source = Path(source)
     isa = cpu_isa()
-    key = (source, isa)
+    key = (source, isa, precision)
     if key not in _LOADED:
         try:
-            _LOADED[key] = _build_and_load(source, isa)
+            _LOADED[key] = _build_and_load(source, isa, precision)
         except NativeBuildError as e:
             _LOADED[key] = e
     result = _LOADED[key]
@@ -106,24 +111,31 @@ def _compiler() -> str:
     return compiler
 
 
-def build_path(source: Path, isa: str, compiler: str) -> Path:
-    """Where the library for (source, isa) is cached: named by a hash of everything the build reads."""
+def _flags(isa: str, precision: str | None) -> tuple[str, ...]:
+    return (*BASE_FLAGS, *ISA_FLAGS[isa], *([PRECISIONS[precision]] if precision else []))
+
+
+def build_path(source: Path, isa: str, compiler: str, precision: str = "f32") -> Path:
+    """Where the library for (source, isa, precision) is cached: named by a hash of everything the build reads."""
     parts = [Path(source).read_bytes(), *(h.read_bytes() for h in sorted(HEADER_DIR.glob("*.h")))]
-    flags = (*BASE_FLAGS, *ISA_FLAGS[isa])
+    flags = _flags(isa, precision)
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), compiler.encode()]))
     cache_dir = Path(os.environ.get("RWKVX_CACHE", Path.home() / ".cache" / "rwkvx")) / "native"
-    return cache_dir / f"{Path(source).stem}-{isa}-{key.hexdigest()[:16]}.so"
+    return cache_dir / f"{Path(source).stem}-{isa}-{precision}-{key.hexdigest()[:16]}.so"
 
 
-def compile_library(source: Path, isa: str, target: Path, compiler: str | None = None) -> None:
-    """Compile `source` for `isa` into `target`, written atomically; running it is the caller's
-    business (the tests compile every ISA, even one this CPU cannot run)."""
+def compile_library(
+    source: Path, isa: str, target: Path, compiler: str | None = None, precision: str | None = None
+) -> None:
+    """Compile `source` for `isa` into `target`, written atomically, with the `precision` entry
+    points, or both when None; running it is the caller's business (the tests compile every
+    ISA, even one this CPU cannot run)."""
     compiler = compiler or _compiler()
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=target.parent, suffix=".so.tmp")
     os.close(fd)
     try:
-        cmd = [compiler, *BASE_FLAGS, *ISA_FLAGS[isa], str(source), "-o", tmp]
+        cmd = [compiler, *_flags(isa, precision), str(source), "-o", tmp]
         try:
             proc = subprocess.run(cmd, capture_output=True, text=True)
         except OSError as e:
@@ -137,11 +149,11 @@ def compile_library(source: Path, isa: str, target: Path, compiler: str | None =
             os.unlink(tmp)
 
 
-def _build_and_load(source: Path, isa: str) -> ctypes.CDLL:
+def _build_and_load(source: Path, isa: str, precision: str) -> ctypes.CDLL:
     compiler = _compiler()
-    target = build_path(source, isa, compiler)
+    target = build_path(source, isa, compiler, precision)
     if not target.exists():
-        compile_library(source, isa, target, compiler)
+        compile_library(source, isa, target, compiler, precision)
     try:
         lib = ctypes.CDLL(str(target))
     except OSError as e:
@@ -165,9 +177,10 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
-def kernel_entry(library: Callable[[], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
-    """The fp32 or fp64 entry point `name` of an op's kernel library (`library()`, the op's own
-    loader), for `x`'s dtype: the kernels take nothing else."""
+def kernel_entry(library: Callable[[str], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
+    """The fp32 or fp64 entry point `name` of an op's kernel library (`library(precision)`, the
+    op's own loader), for `x`'s dtype: the kernels take nothing else."""
     if x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"the {op} cpu kernel takes float32 or float64 tensors, got {x.dtype}")
-    return getattr(library(), f"{name}_{'f64' if x.dtype == torch.float64 else 'f32'}")
+    precision = "f64" if x.dtype == torch.float64 else "f32"
+    return getattr(library(precision), f"{name}_{precision}")

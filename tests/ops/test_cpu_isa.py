@@ -74,6 +74,19 @@ def test_each_build_has_its_vector_width(build):
         assert _native.load_library(source).rwkvx_simd_bytes() == _native.SIMD_BYTES[build], source.name
 
 
+def test_each_precision_is_a_library_of_its_own(monkeypatch, cache):
+    """fp32 and fp64 entry points come from separate builds (training's fp32 compiles half the
+    code), each exporting only its own, cached under different names."""
+    monkeypatch.setenv("RWKVX_CACHE", str(cache))
+    for source in SOURCES:
+        stem = source.stem.removesuffix("_cpu")
+        f32, f64 = _native.load_library(source, "f32"), _native.load_library(source, "f64")
+        assert hasattr(f32, f"{stem}_forward_f32") and not hasattr(f32, f"{stem}_forward_f64"), source.name
+        assert hasattr(f64, f"{stem}_backward_f64") and not hasattr(f64, f"{stem}_backward_f32"), source.name
+        isa = _native.cpu_isa()
+        assert _native.build_path(source, isa, "g++", "f32") != _native.build_path(source, isa, "g++", "f64")
+
+
 @pytest.mark.parametrize("op", CPU_OPS)
 @pytest.mark.parametrize("build", RUNNABLE, indirect=True)
 def test_both_gates_pass_in_every_build(build, op):

@@ -11,6 +11,9 @@
 // almost everything there). Vectors are GCC/Clang vector extensions, so the same
 // source builds for every target; arithmetic on them (a * b + c contracts to FMA)
 // and scalar-vector operations (the scalar is broadcast) are the compiler's.
+// RWKVX_FP32 / RWKVX_FP64 choose the precisions a library exports: _native.py builds one
+// library per precision (compiling only fp32, what training uses, halves the first-use build);
+// with neither defined both are exported.
 // RWKVX_SIMD_BYTES / RWKVX_SIMD_REGS may be predefined: the tests build the AVX-512
 // layout (64, 32) with AVX2 instructions to check it on a CPU without AVX-512.
 #pragma once
@@ -22,6 +25,11 @@
 
 #if defined(__AVX512F__)
 #include <immintrin.h>
+#endif
+
+#if !defined(RWKVX_FP32) && !defined(RWKVX_FP64)
+#define RWKVX_FP32 1
+#define RWKVX_FP64 1
 #endif
 
 #ifndef RWKVX_SIMD_BYTES

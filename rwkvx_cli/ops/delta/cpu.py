@@ -22,9 +22,9 @@ SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a
 SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"
 
 
-def _library() -> ctypes.CDLL:
-    lib = load_library(SOURCE)
-    for name in ("delta_forward_f32", "delta_forward_f64", "delta_backward_f32", "delta_backward_f64"):
+def _library(precision: str = "f32") -> ctypes.CDLL:
+    lib = load_library(SOURCE, precision)
+    for name in (f"delta_forward_{precision}", f"delta_backward_{precision}"):
         fn = getattr(lib, name)
         n_ptrs = 10 if "forward" in name else 14
         fn.argtypes = [ctypes.c_void_p] * n_ptrs + [ctypes.c_int] * 5 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]

@@ -21,8 +21,8 @@ CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "wkv7_cpu.cpp"
 
 
-def _library() -> ctypes.CDLL:
-    return load_library(SOURCE)
+def _library(precision: str = "f32") -> ctypes.CDLL:
+    return load_library(SOURCE, precision)
 
 
 @torch.compiler.assume_constant_result  # torch.compile asks once, at trace time

@@ -384,6 +384,10 @@ extern "C" {
     return 0;                                                                                                      \
   }
 
+#ifdef RWKVX_FP32
 RWKVX_DELTA_EXPORT(float, f32)
+#endif
+#ifdef RWKVX_FP64
 RWKVX_DELTA_EXPORT(double, f64)
+#endif
 }

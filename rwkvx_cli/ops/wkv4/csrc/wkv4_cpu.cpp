@@ -265,6 +265,10 @@ extern "C" {
                 threads);                                                                                           \
   }
 
+#ifdef RWKVX_FP32
 RWKVX_EXPORT(float, f32)
+#endif
+#ifdef RWKVX_FP64
 RWKVX_EXPORT(double, f64)
+#endif
 }
