@@ -132,3 +132,26 @@ def test_rwkv4_init_and_decay():
     assert att.time_decay[0].item() == pytest.approx(-5) and att.time_decay[-1].item() == pytest.approx(3)
     assert att.time_first[0].item() == pytest.approx(math.log(0.3))
     assert torch.count_nonzero(att.output.weight) == 0
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_relu_square_equals_autograds_relu_squared(dtype):
+    """The channel mix's fused relu(x)²: the values and gradients of `relu(x) ** 2`, to the bit
+    (up to the sign of a masked zero), in fp32 and bf16."""
+    from rwkvx_cli.models.layers.common import relu_square
+
+    g = torch.Generator().manual_seed(0)
+    x0 = torch.randn(3, 5, 64, generator=g).to(dtype)
+    x0[0, 0, :4] = 0.0  # relu's kink: both give a zero gradient there
+    dy = torch.randn(x0.shape, generator=g).to(dtype)
+    outs, grads = [], []
+    for f in (relu_square, lambda x: torch.relu(x) ** 2):
+        x = x0.clone().requires_grad_(True)
+        y = f(x)
+        y.backward(dy)
+        outs.append(y.detach())
+        grads.append(x.grad)
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(grads[0], grads[1]) and (grads[0] != 0).any() and (grads[0] == 0).any()
+    x = torch.randn(4, 8, dtype=torch.float64, generator=g).requires_grad_(True)
+    assert torch.autograd.gradcheck(relu_square, (x,))

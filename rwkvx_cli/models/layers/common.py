@@ -25,6 +25,29 @@ def shifted(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
     return torch.cat([first, x[:, :-1]], dim=1)
 
 
+class _ReluSquare(torch.autograd.Function):
+    """relu(x)², saving relu(x) and computing the gradient 2 relu(x) dy in two passes. Autograd's
+    graph of `relu(x) ** 2` takes four in the backward (a copy, two products, the relu mask) over
+    the 4C-wide channel-mix hidden state, which by then is read from memory: 4-7% of an eager
+    tiny training step (docs/benchmarks.md). The same values and gradients (the factor 2 is
+    exact; a masked gradient is 0 times dy, -0 for a negative dy); torch.compile traces it."""
+
+    @staticmethod
+    def forward(ctx, x: torch.Tensor) -> torch.Tensor:
+        h = torch.relu(x)
+        ctx.save_for_backward(h)
+        return h * h
+
+    @staticmethod
+    def backward(ctx, dy: torch.Tensor) -> torch.Tensor:
+        (h,) = ctx.saved_tensors
+        return (dy * h).mul_(2.0)
+
+
+def relu_square(x: torch.Tensor) -> torch.Tensor:
+    return _ReluSquare.apply(x)
+
+
 def orthogonal_(w: torch.Tensor, gain: float, gen: torch.Generator) -> None:
     """RWKV-LM's rule: the gain is scaled by sqrt(rows / cols) when rows > cols."""
     rows, cols = w.shape
@@ -66,7 +89,7 @@ class ChannelMix(nn.Module):
 
     def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         k = x + (shifted(x, shift) - x) * self.x_k
-        return self.value(torch.relu(self.key(k)) ** 2), x[:, -1]
+        return self.value(relu_square(self.key(k))), x[:, -1]
 
     def lrp_forward(self, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
         """The forward of a fresh sequence as LRP's modified graph (docs/explain.md#channel-mix).
