@@ -2,8 +2,8 @@
 load it with ctypes.
 
 Plain C ABI, no torch headers. One library per precision (fp32 or fp64 entry points), so
-that the first fp32 use, training's, compiles only the fp32 code: 2-7 s per kernel with g++
-12 on the 2-core development machine, once per cache (docs/operators.md). The kernels include
+that the first fp32 use, training's, compiles only the fp32 code: 1-6 s per kernel with g++
+12 on the 2-core development machines, once per cache (docs/operators.md). The kernels include
 csrc/simd.h, whose vector width and register blocking follow the instruction set
 they are compiled for (see there). That is the best one this CPU runs (avx512,
 avx2 or generic), or the one RWKVX_CPU_ISA names, so that every build can be

@@ -28,7 +28,7 @@ def shifted(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
 class _ReluSquare(torch.autograd.Function):
     """relu(x)², saving relu(x) and computing the gradient 2 relu(x) dy in two passes. Autograd's
     graph of `relu(x) ** 2` takes four in the backward (a copy, two products, the relu mask) over
-    the 4C-wide channel-mix hidden state, which by then is read from memory: 4-7% of an eager
+    the 4C-wide channel-mix hidden state, which by then is read from memory: 5-7% of an eager
     tiny training step (docs/benchmarks.md). The same values and gradients (the factor 2 is
     exact; a masked gradient is 0 times dy, -0 for a negative dy); torch.compile traces it."""
 
