@@ -54,10 +54,10 @@ bench: $(STAMP)
 # Compile every Triton kernel ahead of time for sm_80 and sm_90 (no GPU needed) and print
 # shared memory, registers and spills per kernel; the -test variant asserts the limits (CI).
 gpu-compile: $(TEST_STAMP)
-	$(BIN)/python -m rwkvx_cli.ops.compile_gate
+	$(BIN)/python -m rwkvx_cli.tools.compile_gate
 
 gpu-compile-test: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m gpu_compile tests/ops/test_compile_gate.py
+	$(BIN)/python -m pytest -q -m gpu_compile tests/tools/test_compile_gate.py
 
 # The tests of many minutes each (the compile gate, torch.compile with a warm cache): CI runs them.
 test-slow: $(TEST_STAMP)
@@ -75,7 +75,7 @@ test-aarch64: $(TEST_STAMP)
 # (CUDA torch + Triton) and the package from this checkout: no venv, nothing downloaded.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m rwkvx_cli.gpu_check --out bench
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m rwkvx_cli.tools.gpu_check --out bench
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
-from rwkvx_cli.errors import UsageError
+from rwkvx_cli.errors import RwkvxError, UsageError
 
 
 def temp_path(path: Path) -> Path:
@@ -57,6 +58,16 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
 
 def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
+
+
+def write_json(path: Path | None, data) -> None:
+    """An output option's JSON (`--json PATH`), written atomically; nothing when `path` is None."""
+    if path is None:
+        return
+    try:
+        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise RwkvxError(f"cannot write {path}: {e.strerror}") from None
 
 
 # -- directories rwkvx may write into ------------------------------------------------------------

@@ -1,4 +1,5 @@
-"""Rendering for the command line (rich): tables, live views, progress bars.
+"""Rendering for the command line (rich): tables, live views, progress bars, and errors as one
+line on stderr with an exit code.
 
 Kept apart from cli.py so that the commands read as parse -> call -> render.
 """
@@ -6,14 +7,87 @@ Kept apart from cli.py so that the commands read as parse -> call -> render.
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
+import sys
 from pathlib import Path
 
+import typer
 from rich.console import Console
+from rich.markup import escape
 from rich.measure import Measurement
 from rich.table import Table
+from typer.core import TyperGroup
+
+try:  # typer 0.25+ carries its own click
+    from typer._click.exceptions import ClickException
+except ImportError:  # pragma: no cover - older typer on click
+    from click.exceptions import ClickException
+
+from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.train import signals
+from rwkvx_cli.train.signals import Terminated
 
 out = Console(highlight=False)
 err = Console(stderr=True, highlight=False)
+
+
+def one_line_error(message: str) -> None:
+    err.print(f"[bold red]error:[/] {escape(message)}", soft_wrap=True)
+
+
+def warning(message: str) -> None:
+    err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
+
+
+class OneLineErrors(TyperGroup):
+    """Typer's own usage errors (a missing option, a value not among the choices) as one line,
+    like every other error of the tool, instead of a framed panel."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except ClickException as e:
+            if type(e).__name__ == "NoArgsIsHelpError":  # `rwkvx` or `rwkvx data` alone: the help
+                err.print(e.format_message(), markup=False)
+                sys.exit(e.exit_code)
+            where = f" (see `{e.ctx.command_path} --help`)" if getattr(e, "ctx", None) is not None else ""
+            one_line_error(f"{e.format_message().replace('Value error, ', '')}{where}")  # pydantic's prefix
+            sys.exit(e.exit_code)
+        except typer.Abort:
+            err.print("[bold red]aborted[/]")
+            sys.exit(1)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+def reports_errors(fn):
+    """Render the project's errors as one line on stderr and exit with their code."""
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except RwkvxError as e:
+            one_line_error(str(e))
+            raise typer.Exit(e.exit_code) from None
+        except Terminated:  # SIGTERM outside training's graceful stop (start-up)
+            signals.ignore_stop_signals()  # a second one must not interrupt the exit
+            err.print("[bold red]terminated[/]")
+            raise typer.Exit(143) from None
+        except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
+            err.print("[bold red]interrupted[/]")
+            raise typer.Exit(130) from None
+        except MemoryError:
+            one_line_error("out of memory; make the model, batch or shape smaller")
+            raise typer.Exit(1) from None
+        except OSError as e:  # a full disk, a file-size limit, a read-only or vanished path
+            where = f"{e.filename}: " if e.filename else ""
+            one_line_error(f"{where}{e.strerror or e}")
+            raise typer.Exit(1) from None
+
+    return wrapper
 
 
 def print_wide(renderable) -> None:
@@ -29,7 +103,7 @@ def print_wide(renderable) -> None:
 
 
 def gradcheck_cell(col) -> str:
-    from rwkvx_cli.gradcheck import THRESHOLD
+    from rwkvx_cli.tools.gradcheck import THRESHOLD
 
     if col is None:
         return "[dim]–[/]"
@@ -40,7 +114,7 @@ def gradcheck_cell(col) -> str:
 
 
 def render_gradcheck(report) -> None:
-    from rwkvx_cli.gradcheck import THRESHOLD, VACUOUS_BELOW
+    from rwkvx_cli.tools.gradcheck import THRESHOLD, VACUOUS_BELOW
 
     for backend in dict.fromkeys(r.backend for r in report.results):
         rows = [r for r in report.results if r.backend == backend]
@@ -69,6 +143,80 @@ def render_gradcheck(report) -> None:
         f"gate B vs central finite differences; a gradient whose reference max |g| <= {VACUOUS_BELOW:g} "
         "is vacuous and fails[/]"
     )
+
+
+def _verdict(passed: bool) -> str:
+    return "[bold green]PASS[/]" if passed else "[bold red]FAIL[/]"
+
+
+def warn_skipped_backend(backend: str, reason: str) -> None:
+    warning(f"skipping the {backend!r} backend: {reason}")
+
+
+def gradcheck_run(plan, seed: int, size: int, all_ops: bool) -> dict:
+    """Run `rwkvx gradcheck`'s plan (tools/gradcheck.plan_gradcheck) with a status line, rendering each
+    op's report as it ends, then (`all_ops`) the overall verdict. Returns the JSON summary."""
+    import time
+
+    from rwkvx_cli.tools.gradcheck import run_gradcheck
+
+    results = []
+    for spec, backends in plan:
+        start = time.perf_counter()
+        with err.status("gradcheck") as status:
+            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
+        seconds = time.perf_counter() - start
+        render_gradcheck(report)
+        names = ", ".join(b.name for b in backends)
+        out.print(f"{_verdict(report.passed)} {report.op}: {len(report.results)} cases, {names} in {seconds:.1f}s")
+        results.append({**report.to_dict(), "seconds": seconds})
+    passed = all(r["passed"] for r in results)
+    seconds = sum(r["seconds"] for r in results)
+    if all_ops:
+        failed = [r["op"] for r in results if not r["passed"]]
+        out.print(
+            f"{_verdict(passed)} all: {len(results) - len(failed)} of {len(results)} ops passed in {seconds:.1f}s"
+            + (f" (failed: {', '.join(failed)})" if failed else "")
+        )
+    return {"ops": results, "passed": passed, "seconds": seconds}
+
+
+@contextlib.contextmanager
+def bench_status():
+    """A status line on stderr while `rwkvx bench` runs; yields its callback (the row being timed)."""
+    with err.status("bench") as status:
+        yield status.update
+
+
+def render_eval(ev: dict, as_json: bool) -> None:
+    if as_json:
+        out.print_json(json.dumps(ev))
+        return
+    out.print(
+        f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {ev['bpb']:.4f} "
+        f"over {ev['tokens']:,} tokens ({ev['tokens_per_s']:,.0f} tokens/s)"
+    )
+    if "sample" in ev:
+        out.print(ev["sample"], markup=False)
+
+
+def render_tasks(scores, as_json: bool, output: Path | None) -> None:
+    """`rwkvx eval --tasks`: a row per task and metric (or the summary as JSON)."""
+    if as_json:
+        out.print_json(json.dumps(scores.summary))
+    else:
+        out.print(f"step {scores.step} ({scores.checkpoint}), {scores.seconds:.1f} s:", markup=False)
+        for task, metric, value, stderr in scores.rows:
+            pm = f" ± {stderr:.2g}" if stderr is not None else ""
+            out.print(f"  {task:<28} {metric:<16} {value:.4g}{pm}", markup=False)
+    if output is not None:
+        err.print(f"wrote {output}", markup=False)
+
+
+def render_prepared(stats) -> None:
+    out.print(prepared_line(stats), soft_wrap=True)
+    if stats.skipped_records:
+        warning(f"skipped {stats.skipped_records:,} bad records (first: {stats.first_skipped})")
 
 
 @contextlib.contextmanager

@@ -26,6 +26,32 @@ def test_version_and_help():
     assert result.exit_code == 0 and "gradcheck" in result.stdout
 
 
+def test_help_keeps_the_brackets_of_an_install_hint():
+    """rich markup would eat `[eval]` out of `pip install 'rwkvx[eval]'`."""
+    for args in (["--help"], ["eval", "--help"]):
+        result = invoke(*args)
+        assert result.exit_code == 0 and "pip install 'rwkvx[eval]'" in " ".join(result.stdout.split()), args
+
+
+@pytest.mark.parametrize(
+    "args, message",
+    [
+        (["eval"], "Missing option '--checkpoint'"),
+        (["bench", "--steps", "x"], "Invalid value for '--steps'"),
+        (["bench", "--device", "tpu"], "'--device': 'tpu' is not one of 'auto', 'cpu', 'cuda'"),
+        (["export", "--checkpoint", "x", "--out", "y", "--dtype", "int4"], "'int4' is not one of"),
+        (["train", "--no-such-flag"], "No such option: --no-such-flag"),
+    ],
+)
+def test_parse_errors_are_one_line_exit_2(args, message):
+    """Typer's own errors (before a command runs) look like every other error: one line, exit 2."""
+    result = invoke(*args)
+    assert result.exit_code == 2, result.output
+    lines = [line for line in result.output.splitlines() if line.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], result.output
+    assert "--help" in lines[0] and "Traceback" not in result.output
+
+
 def test_gradcheck_wkv7_passes_and_writes_json(tmp_path):
     path = tmp_path / "out" / "gc.json"
     result = invoke("gradcheck", "--op", "wkv7", "--json", str(path))

@@ -16,11 +16,13 @@ import math
 import os
 import signal
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.runs import open_checkpoint
 
 INSTALL_HINT = "pip install 'rwkvx[eval]'"
 
@@ -84,6 +86,7 @@ class TaskScores:
     checkpoint: str
     step: int
     precision: str
+    seconds: float = 0.0  # loading the model and running the tasks
     rows: list[tuple[str, str, float, float | None]] = field(default_factory=list)
     summary: dict = field(default_factory=dict)
 
@@ -103,6 +106,7 @@ def run_tasks(
 ) -> TaskScores:
     """Evaluate a checkpoint (a checkpoint dir, or a run dir: its newest good one) on lm-eval
     tasks with its run's tokenizer. Bad names fail before the weights are read."""
+    start = time.perf_counter()
     require_lm_eval()
     names = split_names(tasks)
     if limit is not None and limit <= 0:
@@ -114,14 +118,12 @@ def run_tasks(
     from lm_eval import simple_evaluate
 
     from rwkvx_cli.evaluation.adapter import RwkvxLM
-    from rwkvx_cli.train import precision
 
-    model, tokenizer, cfg, path, step = load_checkpoint(checkpoint, data_dir, on_skip)
     # The run's train.precision, as its validation ran (fp32 where this device cannot run it).
-    device = next(model.parameters()).device
-    mode = precision.resolve(cfg.train.precision, device, fallback=True)
-    precision.set_matmul_precision(mode)
-    lm = RwkvxLM(model, tokenizer, max_length=cfg.train.ctx_len, batch_size=batch_size, mode=mode)
+    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
+    mode = opened.runtime.precision
+    max_length = opened.config.train.ctx_len
+    lm = RwkvxLM(opened.model, opened.tokenizer, max_length=max_length, batch_size=batch_size, mode=mode)
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
@@ -143,7 +145,7 @@ def run_tasks(
         )
     if torch.cuda.is_available():
         torch.cuda.synchronize()
-    scores = TaskScores(str(path), step, mode)
+    scores = TaskScores(str(opened.checkpoint.path), opened.step, mode, time.perf_counter() - start)
     scores.summary = _summary(results, scores, limit, num_fewshot, batch_size)
     for task, metrics in results.get("results", {}).items():
         known = results.get("higher_is_better", {}).get(task)  # the task's metrics (not sample_len)
@@ -222,37 +224,3 @@ def _version() -> str | None:
         return version("lm_eval")
     except Exception:  # pragma: no cover - an unusual install
         return None
-
-
-def load_checkpoint(checkpoint: Path, data_dir: Path | None, on_skip=None):
-    """(model on its device, tokenizer, config, checkpoint path, step): the tokenizer is the run's
-    `tokenizer.json` in `data_dir` (default: the run's prepared data, as `rwkvx eval` finds it),
-    else the one data.tokenizer names (byte, world, a tokenizer.json path)."""
-    from rwkvx_cli.config import config_from_dict
-    from rwkvx_cli.models import LM
-    from rwkvx_cli.train import checkpoint as ck
-    from rwkvx_cli.train.loop import pick_device
-    from rwkvx_cli.train.run import _dir_tokenizer, _named_tokenizer, check_same_tokenizer, data_dir_for
-
-    path = ck.resolve_checkpoint(Path(checkpoint), on_skip)
-    meta = ck.read_meta(path)
-    cfg = config_from_dict(meta["config"])
-    run_dir = path.parent.parent
-    ddir = Path(data_dir) if data_dir is not None else data_dir_for(cfg, run_dir)
-    if (ddir / "tokenizer.json").is_file():
-        check_same_tokenizer(run_dir, ddir)
-        tokenizer = _dir_tokenizer(ddir)
-    elif data_dir is None and cfg.data.tokenizer != "bpe":
-        tokenizer = _named_tokenizer(cfg)
-    else:
-        raise UsageError(f"no tokenizer.json in {ddir}: pass the run's prepared data directory with --data")
-    if tokenizer.vocab_size > cfg.model.vocab_size:
-        raise UsageError(
-            f"the tokenizer has {tokenizer.vocab_size} tokens but the model only {cfg.model.vocab_size}: "
-            "not this run's tokenizer"
-        )
-    model = LM(cfg.model)
-    ck.load_into(model, ck.load_weights(path), str(path))
-    model.to(pick_device(cfg.train.device))
-    model.eval()
-    return model, tokenizer, cfg, path, meta["step"]

@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from rwkvx_cli.models.model import LM
-from rwkvx_cli.train import precision
+from rwkvx_cli.runs.runtime import autocast
 
 HEAD_ROWS = 2048  # hidden rows per head matmul: bounds the fp32 [rows, V] log-softmax
 
@@ -38,7 +38,7 @@ def score_continuations(
     """(sum of log p(continuation | context), all continuation tokens greedy) for each pair, in order.
     Every context must hold at least one token and every continuation at least one. `progress(n)`
     is called after each batch with the number of pairs it scored. The forward runs under the
-    resolved precision `mode` (train/precision.py); log-softmax is always fp32."""
+    resolved precision `mode` (runs/runtime.py); log-softmax is always fp32."""
     model.eval()
     device = next(model.parameters()).device
     recurrent = model.recurrent
@@ -83,7 +83,7 @@ def _score_batch(model: LM, rows, device, max_len: int, recurrent: bool, mode: s
     state = None
     for s in range(0, T, step):
         e = min(s + step, T)
-        with precision.autocast(mode, device):
+        with autocast(mode, device):
             h, state = model.hidden(inputs[:, s:e], state)
         sel = scored[:, s:e]
         if not sel.any():
@@ -91,7 +91,7 @@ def _score_batch(model: LM, rows, device, max_len: int, recurrent: bool, mode: s
         rows_of = torch.arange(B, device=device)[:, None].expand(B, e - s)[sel]
         h, tgt = h[sel], targets[:, s:e][sel]
         for r in range(0, h.shape[0], HEAD_ROWS):
-            with precision.autocast(mode, device):
+            with autocast(mode, device):
                 logits = model.head(h[r : r + HEAD_ROWS])
             logp = torch.log_softmax(logits.float(), dim=-1)
             t = tgt[r : r + HEAD_ROWS]
@@ -117,7 +117,7 @@ def greedy_until(
     state = None
     feed = ids
     for _ in range(max_new):
-        with precision.autocast(mode, device):
+        with autocast(mode, device):
             if model.recurrent:
                 h, state = model.hidden(torch.tensor([feed], device=device), state)
             else:

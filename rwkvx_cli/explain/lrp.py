@@ -2,7 +2,7 @@
 
 One logit of the prediction after the last input token is handed back to the input tokens
 through every layer's rule. The model runs once, in fp64 on the CPU, as LRP's modified graph
-(rules.block_lrp and the layers' `lrp_forward`): every quantity a rule holds constant is
+(its blocks' forward through graph.LRPGraph): every quantity a rule holds constant is
 detached, so what remains is linear in the embeddings and the norms' biases, and the relevance
 of any tensor x is x ⊙ ∂logit/∂x, which is the composed ε-rule exactly. With ε = 0 it
 conserves: Σ_tokens R + R(norm biases) = logit.
@@ -18,14 +18,11 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from rwkvx_cli.config import config_from_dict
-from rwkvx_cli.data.tokenizer import NAMES, load_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.explain.rules import block_lrp, check_supported
-from rwkvx_cli.models.layers.common import layer_norm_lrp, lrp_eps
-from rwkvx_cli.models.model import LM, layer_kinds
-from rwkvx_cli.train import checkpoint as ck
-from rwkvx_cli.train.run import data_dir_for
+from rwkvx_cli.explain.graph import LRPGraph, layer_norm_lrp, lrp_eps
+from rwkvx_cli.explain.rules import check_supported
+from rwkvx_cli.models.model import layer_kinds
+from rwkvx_cli.runs import open_checkpoint
 
 
 @dataclass
@@ -63,6 +60,7 @@ def lrp(model, ids: Sequence[int], target: int | None = None, epsilon: float = 0
     for name, mod in m.named_modules():
         if isinstance(mod, (nn.LayerNorm, nn.GroupNorm)) and mod.bias is not None:
             norm_bias[name] = mod.bias.requires_grad_(True)
+    graph = LRPGraph(epsilon)
     with torch.enable_grad():
         # The embedding rule: a token's input is its row of the table, its relevance the row's.
         x0 = m.emb.weight[torch.as_tensor(list(ids), dtype=torch.long)][None].clone().requires_grad_(True)
@@ -73,7 +71,7 @@ def lrp(model, ids: Sequence[int], target: int | None = None, epsilon: float = 0
             v_in = None if v_src is None else v_src.view_as(v_src)
             if v_in is not None:
                 v_in.retain_grad()
-            x, v_out = block_lrp(blk, x, v_in, epsilon)
+            x, v_out, _ = blk(x, v_in, None, graph)
             x.retain_grad()
             cuts.append(x)
             v_inputs.append((v_in, v_from))
@@ -221,19 +219,14 @@ def explain_checkpoint(
     """`explain_tokens` on a checkpoint (a checkpoint dir, or a run dir: its newest good one),
     with the run's tokenizer: `tokenizer.json` in `data_dir` (default: the run's prepared data,
     as `rwkvx eval` finds it), else the byte or World tokenizer the config names."""
-    path = ck.resolve_checkpoint(Path(checkpoint), on_skip)
-    meta = ck.read_meta(path)
-    cfg = config_from_dict(meta["config"])
-    check_supported(layer_kinds(cfg.model))  # before reading the weights
-    model = LM(cfg.model)
-    ck.load_into(model, ck.load_weights(path), str(path))
-    ddir = Path(data_dir) if data_dir is not None else data_dir_for(cfg, path.parent.parent)
-    if (ddir / "tokenizer.json").is_file():
-        tokenizer = load_tokenizer(ddir / "tokenizer.json")
-    elif data_dir is None and cfg.data.tokenizer in NAMES:
-        tokenizer = load_tokenizer(cfg.data.tokenizer)
-    else:
-        raise UsageError(f"no tokenizer.json in {ddir}: pass the run's prepared data directory with --data")
-    result = explain_tokens(model, tokenizer, text, target, per_layer, epsilon)
-    result.checkpoint, result.step = str(path), meta["step"]
+    opened = open_checkpoint(
+        checkpoint,
+        device="cpu",
+        precision="fp32",
+        data_dir=data_dir,
+        on_skip=on_skip,
+        check=lambda cfg: check_supported(layer_kinds(cfg.model)),  # before reading the weights
+    )
+    result = explain_tokens(opened.model, opened.tokenizer, text, target, per_layer, epsilon)
+    result.checkpoint, result.step = str(opened.checkpoint.path), opened.step
     return result

@@ -1,13 +1,11 @@
-"""LRP rules above the layers, and the recurrences' rules written out explicitly.
+"""Which block kinds have LRP rules, and the recurrences' rules written out explicitly.
 
-Each layer's own rule sits beside it, as an `lrp_forward` (the layer's forward as LRP's
-modified graph: the quantities the rule holds constant detached, `lrp_eps` at each sum):
-`ChannelMix`, `layer_norm_lrp` (layers/common.py), `RWKV4TimeMix` and `wkv4_lrp` (rwkv4.py),
-`RWKV7TimeMix`, `wkv7_lrp` and `group_norm_lrp` (rwkv7.py). Here: which block kinds have
-rules, the block's composition of them, and `wkv4_relevance` / `wkv7_relevance`, which run the
-recurrences' ε-rule as explicit relevance splits with the state-relevance carry backward over
-time (seed 004's form). They are the reference the gradient form is tested against, as an op's
-reference.py is for its fast paths (docs/explain.md#the-method).
+Each layer's rule is its own forward read through LRP's modified graph (graph.py: the
+quantities the rule holds constant detached, `lrp_eps` at each sum, `wkv4_lrp` / `wkv7_lrp` for
+the recurrences). Here: `wkv4_relevance` / `wkv7_relevance`, which run the recurrences' ε-rule as
+explicit relevance splits with the state-relevance carry backward over time (seed 004's form).
+They are the reference the gradient form is tested against, as an op's reference.py is for its
+fast paths (docs/explain.md#the-method).
 """
 
 from __future__ import annotations
@@ -15,7 +13,6 @@ from __future__ import annotations
 import torch
 
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.models.layers.common import layer_norm_lrp, lrp_eps
 from rwkvx_cli.ops.wkv4 import FRESH_PP
 
 SUPPORTED_KINDS = ("rwkv4", "rwkv7")
@@ -32,16 +29,6 @@ def check_supported(kinds: list[str]) -> None:
         raise UnsupportedModelError(
             f"explain has LRP rules for {' and '.join(SUPPORTED_KINDS)} blocks only; this model's {where}"
         )
-
-
-def block_lrp(blk, x: torch.Tensor, v_first, eps: float = 0.0):
-    """`Block.forward` of a fresh sequence as LRP's modified graph: (x, v_first). The residual
-    adds are sums (ε-rule); the norms take LayerNorm's rule (normaliser constant)."""
-    if hasattr(blk, "ln0"):
-        x = layer_norm_lrp(blk.ln0, x, eps)
-    att, v_first = blk.att.lrp_forward(layer_norm_lrp(blk.ln1, x, eps), v_first, eps)
-    x = lrp_eps(x + att, eps)
-    return lrp_eps(x + blk.ffn.lrp_forward(layer_norm_lrp(blk.ln2, x, eps), eps), eps), v_first
 
 
 def _stab(z: torch.Tensor, eps: float) -> torch.Tensor:
@@ -67,7 +54,7 @@ def wkv4_relevance(
     """Seed 004's rule for WKV4 from a fresh state, as explicit splits: the relevance of v
     [B, T, H, N] given that of y (`r_y`, same shape). `w` (log decay) and `u` are [H, N].
 
-    Per step the forward is two weighted sums of the carried state s and v_t (rwkv4.wkv4_lrp):
+    Per step the forward is two weighted sums of the carried state s and v_t (graph.wkv4_lrp):
     y_t = c1 s_{t-1} + c2 v_t and s_t = f1 s_{t-1} + f2 v_t. `stabilised`: s is the op's aa
     (c1 = e1/den, c2 = e2/den, f1, f2 with the running maximum); else the seed's plain
     a_t (c1 = 1/den, c2 = e^{u+k}/den, f1 = e^w, f2 = e^k). At ε = 0 the two give the same
@@ -114,7 +101,7 @@ def wkv7_relevance(
     r_y: torch.Tensor,
     eps: float = 0.0,
 ) -> torch.Tensor:
-    """The WKV7 rule derived in rwkv7.wkv7_lrp, from a zero state, as explicit splits: the
+    """The WKV7 rule derived in graph.wkv7_lrp, from a zero state, as explicit splits: the
     relevance of v [B, T, H, N] given that of y (`r_y`). `w` is the log decay."""
     r, w, k, v, a, b, r_y = (t.detach() for t in (r, w, k, v, a, b, r_y))
     B, T, H, N = r.shape

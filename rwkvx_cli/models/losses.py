@@ -100,3 +100,18 @@ class L2Wrap(torch.autograd.Function):
         zmax, ids = z.max(dim=-1, keepdim=True)
         gz = torch.zeros_like(z).scatter_(-1, ids, zmax * (L2WRAP_FACTOR / z.shape[0]))
         return grad, (gz * grad).reshape(logits.shape)
+
+
+def uses_l2wrap(setting: bool | None, kinds: list[str]) -> bool:
+    """train.l2wrap, or by default (None) on for stacks with RWKV-7 blocks, as RWKV-LM trains them."""
+    return "rwkv7" in kinds if setting is None else setting
+
+
+def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool):
+    """Mean cross-entropy of one micro-batch and the state after it: the chunked head, or full
+    logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`. `forward` is the (wrapped) model."""
+    if head == "chunked":
+        return forward(x, state, y, l2wrap=l2wrap)
+    logits, new_state = forward(x, state)
+    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    return (L2Wrap.apply(loss, logits) if l2wrap else loss), new_state

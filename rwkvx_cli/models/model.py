@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers import TIME_MIXES, ChannelMix, State, orthogonal_
+from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_
 from rwkvx_cli.models.losses import linear_cross_entropy
 
 
@@ -68,13 +68,15 @@ class Block(nn.Module):
             return None
         return {**att, "ffn_shift": torch.zeros(B, self.ln2.normalized_shape[0], device=device)}
 
-    def forward(self, x, v_first, state: State | None = None):
+    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN):
+        """`graph`: PLAIN, or LRP's modified graph (explain/), for which the residual adds are sums
+        and the norms take LayerNorm's rule."""
         if hasattr(self, "ln0"):
-            x = self.ln0(x)
-        att, v_first, att_state = self.att(self.ln1(x), v_first, state)
-        x = x + att
-        ffn, ffn_shift = self.ffn(self.ln2(x), state.get("ffn_shift") if state else None)
-        return x + ffn, v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
+            x = graph.layer_norm(self.ln0, x)
+        att, v_first, att_state = self.att(graph.layer_norm(self.ln1, x), v_first, state, graph)
+        x = graph.sum(x + att)
+        ffn, ffn_shift = self.ffn(graph.layer_norm(self.ln2, x), state.get("ffn_shift") if state else None, graph)
+        return graph.sum(x + ffn), v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

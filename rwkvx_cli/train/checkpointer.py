@@ -4,7 +4,7 @@ A checkpoint holds the full (unsharded) weights and optimizer state, the torch R
 the non-finite step counters and, with truncated BPTT, the recurrent state each
 micro-batch carries into the next step. With those the run resumes bit for bit:
 batches are a pure function of (seed, step). The files themselves (safetensors,
-meta.json with checksums, atomic renames, keep-last) are train/checkpoint.py's.
+meta.json with checksums, atomic renames, keep-last) are the store's (runs/store.py).
 """
 
 from __future__ import annotations
@@ -16,9 +16,10 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import Config, config_to_dict
-from rwkvx_cli.train import checkpoint as ck
+from rwkvx_cli.runs import store
+from rwkvx_cli.runs.store import CheckpointError
+from rwkvx_cli.runs.weights import check_finite, load_weights_file, mismatch
 from rwkvx_cli.train import distributed
-from rwkvx_cli.train.checkpoint import CheckpointError
 from rwkvx_cli.train.distributed import DistInfo
 
 # The TBPTT carry: per micro-batch, per block, the block's state (a dict of tensors), or None
@@ -83,7 +84,7 @@ class CheckpointManager:
             "skipped_steps": skipped_steps,
             "nonfinite_in_row": nonfinite_in_row,
         }
-        return ck.save_checkpoint(self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors)
+        return store.save_checkpoint(self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors)
 
     def _carry_tensors(self, carry: Carry) -> dict[str, torch.Tensor]:
         """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run
@@ -104,8 +105,8 @@ class CheckpointManager:
         corrupt-step_...), and skipped."""
         found, refusal = None, None
         if self.dist.is_main:
-            had = ck.had_checkpoints(self.root)
-            found = ck.latest_good(self.root, on_skip, quarantine=True)
+            had = store.had_checkpoints(self.root)
+            found = store.latest_good(self.root, on_skip, quarantine=True)
             if found is None and had:
                 refusal = (
                     f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
@@ -117,17 +118,17 @@ class CheckpointManager:
         if name is None:
             return None
         path = self.root / name
-        meta = found[1] if found else ck.verify(path)
-        weights = ck.load_weights(path)
+        meta = found[1] if found else store.verify(path)
+        weights = store.load_weights(path)
         own = self.model.state_dict()  # full shapes: a sharded DTensor reports its global shape
-        problems = ck.mismatch(own, weights)
+        problems = mismatch(own, weights)
         if problems:
             raise CheckpointError(f"{path} does not match the model: {problems}")
-        ck.check_finite(weights, str(path))
-        optim_state = ck.load_optimizer_state(path, meta)
+        check_finite(weights, str(path))
+        optim_state = store.load_optimizer_state(path, meta)
         if optim_state is not None:
             shapes = [own[n].shape for n in distributed.param_names(self.model, self.optimizer)]
-            ck.check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
+            check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
         try:
             rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
             skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
@@ -135,7 +136,7 @@ class CheckpointManager:
             torch.set_rng_state(rng)
         except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
             raise CheckpointError(f"{path} cannot be loaded: {e}") from None
-        carry = self._restore_carry(ck.load_extra(path), str(path))
+        carry = self._restore_carry(store.load_extra(path), str(path))
         return Restored(meta["step"], skipped, in_row, carry)
 
     def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
@@ -179,9 +180,53 @@ class CheckpointManager:
 
     def load_initial(self, source: str) -> None:
         """Start from weights elsewhere (train.init_from); reports what differs from this model."""
-        weights = ck.load_weights_file(source)
-        problems = ck.mismatch(self.model.state_dict(), weights)
+        weights = load_weights_file(source)
+        problems = mismatch(self.model.state_dict(), weights)
         if problems:
             raise CheckpointError(f"{source} does not match the model: {problems}")
-        ck.check_finite(weights, source)
+        check_finite(weights, source)
         distributed.load_full_state(self.model, None, weights, None)
+
+
+def _same_kind(saved, live) -> bool:
+    def number(x):
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    if number(live):
+        return number(saved)
+    if isinstance(live, (tuple, list)):
+        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(_same_kind, saved, live))
+    return type(saved) is type(live)
+
+
+def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[torch.Size], source: str) -> None:
+    """The saved optimizer state fits this optimizer: the same groups and settings, and moment
+    tensors of the parameters' shapes (`shapes`, in the optimizer's order)."""
+
+    def bad(why: str):
+        return CheckpointError(f"{source}: the optimizer state does not fit this run: {why}")
+
+    groups, items = state.get("param_groups"), state.get("state")
+    if not isinstance(groups, list) or not isinstance(items, dict) or len(groups) != len(live_groups):
+        raise bad(f"expected {len(live_groups)} parameter groups")
+    for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
+        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"]):
+            raise bad(f"group {i} holds a different number of parameters")
+        for key, val in live.items():
+            if key != "params" and not _same_kind(g.get(key), val):
+                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
+            if isinstance(val, bool) and g.get(key) != val:  # a flag (amsgrad, maximize, ...) changes the algorithm
+                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}, this run's {val!r}")
+    ids = [i for g in groups for i in g["params"]]
+    if sorted(ids, key=str) != sorted(range(len(shapes)), key=str):
+        raise bad("the parameter indices are not 0..n-1")
+    for idx, st in items.items():
+        if not isinstance(idx, int) or not 0 <= idx < len(shapes) or not isinstance(st, dict):
+            raise bad(f"state for unknown parameter {idx!r}")
+        for key, val in st.items():
+            if not isinstance(val, torch.Tensor):
+                raise bad(f"{key} of parameter {idx} is not a tensor")
+            if key != "step" and val.shape != shapes[idx]:
+                raise bad(f"{key} of parameter {idx} has shape {tuple(val.shape)}, the parameter {tuple(shapes[idx])}")
+            if not torch.isfinite(val).all():
+                raise bad(f"{key} of parameter {idx} holds non-finite values")

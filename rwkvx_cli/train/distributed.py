@@ -48,23 +48,17 @@ def from_env(env=os.environ) -> DistInfo:
     return DistInfo(rank, world, local, launched=True)
 
 
-def init(info: DistInfo, device_name: str) -> torch.device:
-    """Join the process group (nccl on CUDA, gloo on CPU); returns this rank's device."""
-    if device_name == "cuda" and not torch.cuda.is_available():
-        raise ConfigError("train.device: cuda was asked for, but no CUDA device is available")
-    use_cuda = device_name == "cuda" or (device_name == "auto" and torch.cuda.is_available())
-    device = torch.device("cuda", info.local_rank) if use_cuda else torch.device("cpu")
-    if use_cuda:
-        torch.cuda.set_device(device)
+def init(info: DistInfo, device: torch.device) -> None:
+    """Join the process group on this rank's resolved device (nccl on CUDA, gloo on CPU)."""
     if info.launched and not dist.is_initialized():
+        cuda = device.type == "cuda"
         dist.init_process_group(
-            "nccl" if use_cuda else "gloo",
+            "nccl" if cuda else "gloo",
             rank=info.rank,
             world_size=info.world_size,
             timeout=timedelta(minutes=30),
-            device_id=device if use_cuda else None,
+            device_id=device if cuda else None,
         )
-    return device
 
 
 def shutdown() -> None:
@@ -84,7 +78,7 @@ def barrier() -> None:
 def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str = "fp32") -> torch.nn.Module:
     """The module the training step calls. DDP returns a wrapper; FSDP2 shards `model` in place
     (each block, then the root), so `model` itself becomes the sharded module; under bf16-mixed
-    (`precision`, resolved: train/precision.py) with bf16 compute parameters, fp32 gradient
+    (`precision`, resolved: runs/runtime.py) with bf16 compute parameters, fp32 gradient
     reduction and fp32 sharded master weights."""
     if not active():
         return model
@@ -93,8 +87,6 @@ def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str
             from torch.distributed.fsdp import fully_shard
         except ImportError:  # torch < 2.6
             from torch.distributed._composable.fsdp import fully_shard
-        from rwkvx_cli.train.precision import fsdp_policy
-
         policy = fsdp_policy(precision)
         kwargs = {} if policy is None else {"mp_policy": policy}
         for block in model.blocks:
@@ -107,6 +99,19 @@ def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str
     # weights att.v0/v1/v2 are frozen: models/layers/rwkv7.py), so DDP needs no find_unused_parameters.
     ids = [device.index] if device.type == "cuda" else None
     return DistributedDataParallel(model, device_ids=ids)
+
+
+def fsdp_policy(precision: str):
+    """FSDP2's MixedPrecisionPolicy for a resolved precision: under bf16-mixed, bf16 parameters in the
+    forward and backward, gradients reduced in fp32, the sharded master weights fp32; None (FSDP's
+    default, all fp32) otherwise."""
+    if precision != "bf16-mixed":
+        return None
+    try:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+    except ImportError:  # torch < 2.6
+        from torch.distributed._composable.fsdp import MixedPrecisionPolicy
+    return MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
 
 
 def grad_sync(wrapped: torch.nn.Module, mode: str, sync: bool):

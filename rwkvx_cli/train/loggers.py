@@ -16,8 +16,6 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-import torch
-
 from rwkvx_cli.config import LOGGERS, Config, ConfigError, config_to_dict
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
 
@@ -177,32 +175,6 @@ class Sinks:
 
 
 # -- MFU ----------------------------------------------------------------------------------------------
-
-_PEAKS: dict[tuple, float] = {}
-
-
-def matmul_peak(device: torch.device, precision: str | None = None) -> float:
-    """GFLOP/s of a short square-matmul probe on `device`, in the dtype training's matmuls run in (bf16
-    under train.precision=bf16-mixed, else fp32, on TF32 when torch's matmul precision says so; None:
-    bf16 on CUDA, fp32 on the CPU): `rwkvx bench`'s measurement (the best of a few timed matmuls),
-    shorter, and cached for the process."""
-    if precision is None:
-        precision = "bf16-mixed" if device.type == "cuda" else "fp32"
-    dtype = torch.bfloat16 if precision == "bf16-mixed" else torch.float32
-    key = (device.type, device.index, dtype, torch.get_float32_matmul_precision())
-    if key not in _PEAKS:
-        from rwkvx_cli.bench import timed
-
-        n = 4096 if device.type == "cuda" else 1024
-        try:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
-            best = min(timed(lambda: a @ b, device, min_time=0.1, max_reps=20))
-            _PEAKS[key] = 2 * n**3 / best / 1e9
-        except RuntimeError:  # a device the probe cannot run on: no MFU figure
-            _PEAKS[key] = float("nan")
-    return _PEAKS[key]
-
 
 def mfu_pct(tokens_per_s: float, train_flops_per_token: float, peak_gflops: float, world_size: int = 1) -> float:
     """Model FLOPs utilisation, as `rwkvx bench --model` computes it: tokens/s x train FLOPs per token

@@ -15,27 +15,23 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from rwkvx_cli.config import Config, ConfigError
-from rwkvx_cli.data.sampler import (
-    EpochSampler,
-    MixtureSampler,
-    StreamSampler,
-    WindowSampler,
-    sequential_windows,
-)
+from rwkvx_cli.data.sampler import EpochSampler, MixtureSampler, StreamSampler, WindowSampler
 from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.evaluation.validation import evaluate
 from rwkvx_cli.models import LM, parameter_groups
-from rwkvx_cli.models.losses import L2Wrap
-from rwkvx_cli.train import distributed, precision
+from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
+from rwkvx_cli.models.summary import model_summary
+from rwkvx_cli.runs import runtime as rt
+from rwkvx_cli.runs.layout import checkpoints_dir, metrics_path
+from rwkvx_cli.train import distributed
 from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
-from rwkvx_cli.train.loggers import Sinks, matmul_peak, mfu_pct
+from rwkvx_cli.train.loggers import Sinks, mfu_pct
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
 from rwkvx_cli.train.profiling import StepProfiler
-from rwkvx_cli.train.run import checkpoints_dir, metrics_path, model_summary
 from rwkvx_cli.train.schedule import lr_at
 
 
@@ -56,27 +52,6 @@ def micro_slices(global_rows: int, world_size: int, micro_batch: int) -> list[sl
     return [slice(i, min(i + size, rows)) for i in range(0, rows, size)]
 
 
-def uses_l2wrap(cfg: Config, model: LM) -> bool:
-    """train.l2wrap, or by default on for stacks with RWKV-7 blocks (as RWKV-LM)."""
-    return "rwkv7" in model.kinds if cfg.train.l2wrap is None else cfg.train.l2wrap
-
-
-def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool):
-    """Mean cross-entropy of one micro-batch and the state after it: the chunked head, or full
-    logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`. `forward` is the (wrapped) model."""
-    if head == "chunked":
-        return forward(x, state, y, l2wrap=l2wrap)
-    logits, new_state = forward(x, state)
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
-    return (L2Wrap.apply(loss, logits) if l2wrap else loss), new_state
-
-
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
-
-
 def peak_memory_mb(device: torch.device) -> float:
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device) / 2**20
@@ -86,49 +61,6 @@ def peak_memory_mb(device: torch.device) -> float:
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux reports KiB
     except ImportError:  # pragma: no cover - non-POSIX
         return float("nan")
-
-
-@torch.no_grad()
-def evaluate(
-    model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, device, tokenizer, mode: str = "fp32"
-) -> dict:
-    """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
-    bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
-    under the resolved precision `mode` (train/precision.py), as training does."""
-    model.eval()
-    total, count = 0.0, 0
-    xs, ys = [], []
-
-    def flush():
-        nonlocal total, count
-        x, y = torch.stack(xs).to(device), torch.stack(ys).to(device)
-        with precision.autocast(mode, x.device):
-            loss, _ = model.loss(x, y)
-        total += loss.item() * y.numel()
-        count += y.numel()
-        xs.clear()
-        ys.clear()
-
-    for x, y in sequential_windows(tokens, ctx_len):
-        if xs and x.shape[1] != xs[0].shape[0]:
-            flush()  # the last window is shorter: its own batch
-        xs.append(x[0])
-        ys.append(y[0])
-        if len(xs) == batch:
-            flush()
-        if count + len(xs) * ctx_len >= max_tokens:
-            break
-    if xs:
-        flush()
-    model.train()
-    loss = total / max(count, 1)
-    n_bytes = len(tokenizer.decode(np.asarray(tokens[1 : count + 1]).tolist()).encode("utf-8"))
-    return {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)),
-        "bpb": total / math.log(2) / max(n_bytes, 1),
-        "tokens": count,
-    }
 
 
 def make_sampler(cfg: Config, train_tokens, global_rows: int):
@@ -155,10 +87,12 @@ class Trainer:
         val_tokens,
         tokenizer,
         dist: DistInfo = SINGLE,
-        device: torch.device | None = None,
+        runtime: rt.Runtime | None = None,
     ):
+        """`runtime`: the command's resolved device and precision (None: resolve train.device and
+        train.precision here, for a Trainer built outside `rwkvx train`)."""
         self.cfg, self.run_dir, self.dist = cfg, Path(run_dir), dist
-        self.device = device if device is not None else pick_device(cfg.train.device)
+        self.runtime = runtime if runtime is not None else rt.resolve(cfg.train.device, cfg.train.precision)
         self.model = model.to(self.device)
         self.train_tokens, self.val_tokens = train_tokens, val_tokens
         self.tokenizer = tokenizer
@@ -172,9 +106,7 @@ class Trainer:
             {**g, "params": [names[id(p)] for p in g["params"]]}
             for g in parameter_groups(self.model, t.lr, t.weight_decay)
         ]
-        # train.precision resolved for this device (a mode it cannot run is a one-line ConfigError)
-        self.precision = precision.resolve(t.precision, self.device)
-        precision.set_matmul_precision(self.precision)
+        self.runtime.apply()
         self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
         params = dict(self.model.named_parameters())
         self.optimizer = torch.optim.AdamW(
@@ -200,7 +132,15 @@ class Trainer:
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.model.grad_checkpointing = t.grad_cp
-        self.l2wrap = uses_l2wrap(cfg, self.model)
+        self.l2wrap = uses_l2wrap(t.l2wrap, self.model.kinds)
+
+    @property
+    def device(self) -> torch.device:
+        return self.runtime.device
+
+    @property
+    def precision(self) -> str:
+        return self.runtime.precision
 
     # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
@@ -244,7 +184,7 @@ class Trainer:
             weight = (rows.stop - rows.start) / rank_rows
             last = micro == len(self.micro) - 1
             with distributed.grad_sync(self.wrapped, t.distributed, sync=last):
-                with precision.autocast(self.precision, self.device):
+                with self.runtime.autocast():
                     loss, state = self._loss(x[rows], y[rows], self.carry[micro])
                 if t.tbptt:
                     self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
@@ -296,7 +236,7 @@ class Trainer:
         if self.step >= total_steps:
             return None  # already complete: no sink opened (a wandb run), no probe
         # MFU as `rwkvx bench --model` computes it; the matmul peak is probed once, before timing starts.
-        peak = matmul_peak(self.device, self.precision)
+        peak = rt.matmul_peak(self.device, self.precision)
         flops_per_token = model_summary(self.model)["train_flops_per_token"]
         profiler = StepProfiler(self.run_dir, t.profile_steps, self.device, self.dist.rank, self.dist.world_size)
         start, start_step = time.perf_counter(), self.step
@@ -350,12 +290,5 @@ class Trainer:
         """Validation loss and bits per byte (every rank computes the same; FSDP needs them all)."""
         t = self.cfg.train
         return evaluate(
-            self.model,
-            self.val_tokens,
-            t.ctx_len,
-            t.micro_batch,
-            t.eval_tokens,
-            self.device,
-            self.tokenizer,
-            self.precision,
+            self.model, self.val_tokens, t.ctx_len, t.micro_batch, t.eval_tokens, self.tokenizer, self.runtime
         )

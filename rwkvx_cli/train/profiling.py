@@ -9,6 +9,8 @@ from pathlib import Path
 
 import torch
 
+from rwkvx_cli.runs.runtime import profiler_quiet
+
 
 def trace_path(run_dir: Path, first: int, last: int, rank: int = 0, world_size: int = 1) -> Path:
     suffix = f"-rank{rank}" if world_size > 1 else ""
@@ -48,7 +50,8 @@ class StepProfiler:
             if self.device.type == "cuda":
                 activities.append(torch.profiler.ProfilerActivity.CUDA)
             self.prof = torch.profiler.profile(activities=activities, record_shapes=True)
-            self.prof.__enter__()
+            with profiler_quiet():
+                self.prof.__enter__()
         with torch.profiler.record_function(f"train step {n}"):
             yield
         if n == self.range[1]:
@@ -66,7 +69,8 @@ class StepProfiler:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
         prof, self.prof = self.prof, None
-        prof.__exit__(None, None, None)
+        with profiler_quiet():
+            prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         prof.export_chrome_trace(str(self.path))
         self.done = True

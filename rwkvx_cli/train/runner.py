@@ -21,33 +21,29 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+import yaml
 
 from rwkvx_cli.config import Config, config_to_dict
 from rwkvx_cli.data import PrepareStats
-from rwkvx_cli.data.prepare import read_prepared_meta
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import RUN_MARKER, check_writable_dir, claim_dir
-from rwkvx_cli.memcheck import check_model, check_training
+from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, check_writable_dir, claim_dir
+from rwkvx_cli.models import LM, build_model
 from rwkvx_cli.models.generate import generate
-from rwkvx_cli.train import checkpoint as ck
-from rwkvx_cli.train import distributed, precision
+from rwkvx_cli.models.summary import model_summary
+from rwkvx_cli.runs import runtime as rt
+from rwkvx_cli.runs import store
+from rwkvx_cli.runs.data import RunData, ensure_data, needs_preparing, prepare_command
+from rwkvx_cli.runs.layout import checkpoints_dir, config_path, loss_plot_path, metrics_path, tokenizer_path
+from rwkvx_cli.runs.lock import LOCK_NAME, hold_run
+from rwkvx_cli.runs.memory import check_model, check_training
+from rwkvx_cli.runs.tokenizers import check_same_tokenizer
+from rwkvx_cli.runs.weights import load_into, load_weights_file
+from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
-from rwkvx_cli.train.lock import LOCK_NAME, hold_run
 from rwkvx_cli.train.loggers import check_available as check_loggers
-from rwkvx_cli.train.loop import Trainer, pick_device
+from rwkvx_cli.train.loop import Trainer
 from rwkvx_cli.train.metrics import StepMetrics
 from rwkvx_cli.train.plot import plot_losses
-from rwkvx_cli.train.run import (
-    checkpoints_dir,
-    ensure_data,
-    loss_plot_path,
-    metrics_path,
-    model_summary,
-    needs_preparing,
-    new_model,
-    open_run,
-    prepare_command,
-)
 from rwkvx_cli.train.signals import GracefulStop
 
 # The sample printed at the end of a finished run: a continuation of a newline.
@@ -62,7 +58,7 @@ DataProgress = Callable[[], contextlib.AbstractContextManager]
 
 @dataclass
 class TrainStart:
-    summary: dict  # train/run.py's model_summary
+    summary: dict  # models/summary.py's model_summary
     device: torch.device
 
 
@@ -87,24 +83,44 @@ def init_run(
     run_dir = Path(cfg.run_dir)
     check_model(cfg.model)
     with claim_run(cfg):
-        if ck.step_dirs(checkpoints_dir(run_dir)):
+        if store.step_dirs(checkpoints_dir(run_dir)):
             raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
         data, model = open_run(cfg, run_dir, data_progress, on_prepared)
-        check_data(cfg, data)
         if cfg.train.init_from:
-            ck.load_into(model, ck.load_weights_file(cfg.train.init_from), cfg.train.init_from)
+            load_into(model, load_weights_file(cfg.train.init_from), cfg.train.init_from)
         meta = {"config": config_to_dict(cfg)}
-        ck.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
+        store.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
     return model_summary(model)
 
 
-def check_data(cfg: Config, data) -> None:
-    """A prepared directory's meta.json agrees with its files and tokenizer (a damaged or edited one is
-    refused rather than trained on)."""
-    if getattr(cfg.data, "binidx", "") or getattr(cfg.data, "mix", None) is not None:
-        return  # a bare prefix or a mixture: no meta.json of ours
-    if (data.data_dir / "meta.json").is_file():
-        read_prepared_meta(data.data_dir, data.tokenizer.vocab_size)
+def open_run(
+    cfg: Config,
+    run_dir: Path,
+    data_progress: DataProgress | None = None,
+    on_prepared: Callable[[PrepareStats], None] | None = None,
+) -> tuple[RunData, LM]:
+    """Prepare the data if needed, build the model, and write the run files. `data_progress()`
+    is entered around the preparation and yields its progress callback (done, total);
+    `on_prepared(stats)` hears when this call tokenized the corpus."""
+    with data_progress() if data_progress else contextlib.nullcontext() as progress:
+        data = ensure_data(cfg, run_dir, progress)
+    if data.prepared is not None and on_prepared:
+        on_prepared(data.prepared)
+    model = build_model(cfg.model, cfg.train.seed)
+    write_run_files(cfg, run_dir, data)
+    return data, model
+
+
+def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
+    """config.yaml, and the tokenizer.json of the run's data (a trained run keeps the one it has)."""
+    claim_dir(run_dir, RUN_MARKER)  # claim_run checked it is ours
+    if data.data_dir.resolve() != run_dir.resolve():
+        target, source = tokenizer_path(run_dir), tokenizer_path(data.data_dir)
+        if not target.exists() or target.resolve() != source.resolve():
+            if any(checkpoints_dir(run_dir).glob("step_*")):
+                check_same_tokenizer(run_dir, data.data_dir)
+            atomic_write_bytes(target, source.read_bytes())
+    atomic_write_text(config_path(run_dir), yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
 
 
 def _older_run(run_dir: Path) -> bool:
@@ -112,13 +128,13 @@ def _older_run(run_dir: Path) -> bool:
     or one that holds only the lock of a process that died before it wrote the marker."""
     if (run_dir / LOCK_NAME).is_file():
         return True
-    return (run_dir / "config.yaml").is_file() and bool(ck.step_dirs(checkpoints_dir(run_dir)))
+    return config_path(run_dir).is_file() and bool(store.step_dirs(checkpoints_dir(run_dir)))
 
 
 @contextlib.contextmanager
 def claim_run(cfg: Config):
     """Check that rwkvx may write into the run directory (new, empty, or its own: fsio.check_writable_dir),
-    mark it as a run, and hold its lock (train/lock.py) until the block ends."""
+    mark it as a run, and hold its lock (runs/lock.py) until the block ends."""
     run_dir = check_writable_dir(cfg.run_dir, RUN_MARKER, _older_run, "run_dir")
     claim_dir(run_dir, RUN_MARKER)
     with hold_run(run_dir):
@@ -129,7 +145,6 @@ def run_training(
     cfg: Config,
     resume: bool,
     dist: DistInfo = SINGLE,
-    device: torch.device | None = None,
     *,
     on_event: OnEvent | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
@@ -139,17 +154,21 @@ def run_training(
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
     preparation and yields its progress callback (done, total)."""
     check_loggers(cfg.train.loggers)  # a missing tensorboard or wandb: the pip command, before anything runs
-    dev = device if device is not None else pick_device(cfg.train.device)
-    precision.resolve(cfg.train.precision, dev)  # a precision the device cannot run: refused before anything else
-    check_training(cfg, dev)
-    with claim_run(cfg) if dist.is_main else contextlib.nullcontext():
-        return _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress)
+    # Resolved once, for the whole run: a device or precision this machine lacks is refused here.
+    runtime = rt.resolve(cfg.train.device, cfg.train.precision, local_rank=dist.local_rank)
+    check_training(cfg, runtime)
+    distributed.init(dist, runtime.device)
+    try:
+        with claim_run(cfg) if dist.is_main else contextlib.nullcontext():
+            return _run_training(cfg, resume, dist, runtime, on_event, on_skip, data_progress)
+    finally:
+        distributed.shutdown()
 
 
-def _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress) -> TrainResult:
+def _run_training(cfg, resume, dist, runtime, on_event, on_skip, data_progress) -> TrainResult:
     emit = on_event or (lambda kind, payload: None)
     run_dir = Path(cfg.run_dir)
-    if not resume and any(ck.step_of(p) > 0 for p in ck.step_dirs(checkpoints_dir(run_dir))):
+    if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     if dist.world_size > 1 and needs_preparing(cfg, run_dir):
         # Every rank sees this before any of them waits: preparing here would leave the others
@@ -160,12 +179,11 @@ def _run_training(cfg, resume, dist, device, on_event, on_skip, data_progress) -
         )
     if dist.is_main:
         data, model = open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
-        check_data(cfg, data)
     distributed.barrier()  # rank 0 has written the run files
     if not dist.is_main:
-        data, model = ensure_data(cfg, run_dir), new_model(cfg)
-    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist=dist, device=device)
-    if not resume or not ck.had_checkpoints(checkpoints_dir(run_dir)):
+        data, model = ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed)
+    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime)
+    if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
         kept = trainer.metrics.set_aside()
         if kept is not None:

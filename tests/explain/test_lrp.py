@@ -10,7 +10,7 @@ from rwkvx_cli.data.tokenizer import ByteTokenizer
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.explain import UnsupportedModelError, explain_checkpoint, explain_tokens, lrp
 from rwkvx_cli.models import build_model
-from rwkvx_cli.train.checkpoint import save_checkpoint
+from rwkvx_cli.runs.store import save_checkpoint
 
 STACKS = {
     "rwkv4": ["rwkv4", "rwkv4"],

@@ -9,11 +9,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from rwkvx_cli.explain.graph import LRPGraph, layer_norm_lrp, wkv4_lrp, wkv7_lrp
 from rwkvx_cli.explain.rules import wkv4_relevance, wkv7_relevance
 from rwkvx_cli.models.layers import ChannelMix, RWKV4TimeMix, RWKV7TimeMix
-from rwkvx_cli.models.layers.common import layer_norm_lrp
-from rwkvx_cli.models.layers.rwkv4 import wkv4_lrp
-from rwkvx_cli.models.layers.rwkv7 import wkv7_lrp
 from rwkvx_cli.ops.wkv4.reference import wkv4_reference
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
 
@@ -89,7 +87,7 @@ def perturbed(module, seed):
 
 @pytest.mark.parametrize("layer_id", [0, 1])
 def test_modified_graphs_compute_the_layers_forward(layer_id):
-    """Detaching changes no value: each lrp_forward returns what forward does."""
+    """Detaching changes no value: each layer's forward through LRP's graph returns what the plain one does."""
     g = torch.Generator().manual_seed(3)
     C, hs = 16, 8
     x = randn(g, 2, 9, C)
@@ -101,10 +99,10 @@ def test_modified_graphs_compute_the_layers_forward(layer_id):
     for eps in (0.0, 0.1):
         for mix in (tm7, tm4):
             out, vf, _ = mix(x, v_first)
-            out_lrp, vf_lrp = mix.lrp_forward(x, v_first, eps)
+            out_lrp, vf_lrp, _ = mix(x, v_first, None, LRPGraph(eps))
             torch.testing.assert_close(out_lrp, out, rtol=1e-12, atol=1e-12)
             torch.testing.assert_close(vf_lrp, vf, rtol=1e-12, atol=1e-12)
-        torch.testing.assert_close(cm.lrp_forward(x, eps), cm(x)[0], rtol=1e-12, atol=1e-12)
+        torch.testing.assert_close(cm(x, None, LRPGraph(eps))[0], cm(x)[0], rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(layer_norm_lrp(ln, x, eps), ln(x), rtol=1e-12, atol=1e-12)
 
 
@@ -165,7 +163,7 @@ def test_seed_single_channel_example():
         for lin, val in ((tm.receptance, W_R), (tm.key, W_K), (tm.value, W_V), (tm.output, W_O)):
             lin.weight.fill_(val)
     x = torch.tensor(X, dtype=D).view(1, 3, 1).requires_grad_(True)
-    out, _ = tm.lrp_forward(x, None)
+    out, _, _ = tm(x, None, None, LRPGraph())
     out[0, -1, 0].backward()
     assert float(out[0, -1, 0].detach()) == pytest.approx(o3, rel=1e-12)
     with torch.no_grad():

@@ -10,8 +10,8 @@ import platform
 
 import pytest
 
-from rwkvx_cli.gradcheck import run_gradcheck
 from rwkvx_cli.ops import get_op
+from rwkvx_cli.tools.gradcheck import run_gradcheck
 from tests.ops.cross.qemu import NEON_BYTES, CrossBuild, tools_missing, use_cross_build
 from tests.ops.test_cpu_isa import CPU_OPS, _check_model_head_size
 

@@ -13,8 +13,8 @@ import pytest
 
 pytest.importorskip("triton")
 
-from rwkvx_cli.gradcheck import BF16_RMS_TOLERANCE, compare, gate_a, gate_a_bf16  # noqa: E402
 from rwkvx_cli.ops import get_op  # noqa: E402
+from rwkvx_cli.tools.gradcheck import BF16_RMS_TOLERANCE, compare, gate_a, gate_a_bf16  # noqa: E402
 
 TRITON_BACKENDS = [
     ("wkv7", "triton"),

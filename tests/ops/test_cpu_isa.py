@@ -15,9 +15,9 @@ import torch
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
-from rwkvx_cli.gradcheck import gate_a, run_gradcheck
 from rwkvx_cli.ops import _native, get_op, op_names
 from rwkvx_cli.ops.registry import Case
+from rwkvx_cli.tools.gradcheck import gate_a, run_gradcheck
 
 CPU_OPS = [op for op in op_names() if "cpu" in get_op(op).backends]  # wkv7, wkv4, rwkv8, gdn, kda
 SOURCES = sorted((Path(_native.__file__).parent).glob("*/csrc/*.cpp"))

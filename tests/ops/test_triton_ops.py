@@ -338,7 +338,7 @@ def test_dynamo_traces_each_triton_backend_in_one_graph(op, backend):
 
 def check_compiled(op: str, backend: str):
     # make gpu-check's compile step: the same check, so the two cannot drift apart
-    from rwkvx_cli.gpu_check import compiled_matches_eager
+    from rwkvx_cli.tools.gpu_check import compiled_matches_eager
 
     error = compiled_matches_eager(op, backend, DEVICE.type)
     assert error is None, error

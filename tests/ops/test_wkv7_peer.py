@@ -7,10 +7,10 @@ import types
 
 import torch
 
-from rwkvx_cli.bench import run_bench
 from rwkvx_cli.ops import get_op
 from rwkvx_cli.ops.wkv7 import peer
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
+from rwkvx_cli.tools.bench import run_bench
 
 
 def _fake_fla(monkeypatch, calls):

@@ -8,9 +8,9 @@ fp64 equality at N = 8 and 128, chained segments, T = 1, the saved-memory budget
 import pytest
 import torch
 
-from rwkvx_cli.gradcheck import compare
 from rwkvx_cli.ops import wkv7
 from rwkvx_cli.ops.wkv7.chunked_triton import CHUNK, W_MIN, unavailable
+from rwkvx_cli.tools.gradcheck import compare
 
 pytestmark = pytest.mark.skipif(unavailable() is not None, reason=str(unavailable()))
 

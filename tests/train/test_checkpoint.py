@@ -22,8 +22,9 @@ from rwkvx_cli.config import Config, ModelConfig, TrainConfig
 from rwkvx_cli.data import ByteTokenizer
 from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.models import build_model
-from rwkvx_cli.train import checkpoint as ck
-from rwkvx_cli.train.checkpoint import CheckpointError
+from rwkvx_cli.runs import store as ck
+from rwkvx_cli.runs.store import CheckpointError
+from rwkvx_cli.runs.weights import load_weights_file, mismatch
 from rwkvx_cli.train.loop import Trainer
 from tests.train.helpers import tiny_args
 
@@ -169,7 +170,7 @@ def test_fuzz_weight_files_load_or_raise_checkpoint_error(tmp_path, saved, raw, 
     path = tmp_path / f"fuzz{Path(name).suffix}"
     path.write_bytes(raw)
     try:
-        loaded = ck.load_weights_file(path)
+        loaded = load_weights_file(path)
     except CheckpointError as e:
         assert str(e) and "\n" not in str(e)
         event(f"{path.suffix} refused")
@@ -190,23 +191,23 @@ def test_a_pth_with_code_in_it_is_refused_without_running_the_code(tmp_path):
     marker = tmp_path / "pwned"
     torch.save({"emb.weight": torch.zeros(2), "x": _Payload(marker)}, tmp_path / "evil.pth")
     with pytest.raises(CheckpointError, match="is not a weights-only state dict"):
-        ck.load_weights_file(tmp_path / "evil.pth")
+        load_weights_file(tmp_path / "evil.pth")
     assert not marker.exists()
     torch.save([torch.zeros(2)], tmp_path / "list.pth")
     with pytest.raises(CheckpointError, match="does not hold a flat state dict"):
-        ck.load_weights_file(tmp_path / "list.pth")
+        load_weights_file(tmp_path / "list.pth")
     (tmp_path / "w.bin").write_bytes(b"x")
     with pytest.raises(CheckpointError, match="expected a .safetensors or .pth file"):
-        ck.load_weights_file(tmp_path / "w.bin")
+        load_weights_file(tmp_path / "w.bin")
 
 
 def test_mismatch_names_missing_unexpected_and_shapes():
     own = {"a": torch.zeros(2, 3), "b": torch.zeros(4), "c": torch.zeros(1)}
     other = {"a": torch.zeros(3, 2), "b": torch.zeros(4), "d": torch.zeros(1)}
-    assert ck.mismatch(own, other) == "missing c; unexpected d; shape mismatch a (3, 2) vs (2, 3)"
-    assert ck.mismatch(own, own) == ""
+    assert mismatch(own, other) == "missing c; unexpected d; shape mismatch a (3, 2) vs (2, 3)"
+    assert mismatch(own, own) == ""
     many = {f"w{i}": torch.zeros(1) for i in range(8)}
-    assert ck.mismatch(many, {}) == "missing w0, w1, w2, w3, w4 (+3 more)"
+    assert mismatch(many, {}) == "missing w0, w1, w2, w3, w4 (+3 more)"
 
 
 def test_init_from_loads_an_rwkv_lm_pth_and_reports_a_mismatch(tmp_path, corpus):

@@ -165,12 +165,14 @@ def test_non_finite_loss_stops_with_a_clear_message(tmp_path, corpus):
 
 def test_a_transient_non_finite_step_is_skipped_and_counted(tmp_path, corpus):
     from rwkvx_cli.config import load_config
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.runs.data import ensure_data
     from rwkvx_cli.train.loop import Trainer
-    from rwkvx_cli.train.run import ensure_data, new_model
 
     cfg = load_config(None, tiny_args(tmp_path / "run", corpus, "train.nonfinite=skip", "train.tbptt=true"))
     data = ensure_data(cfg, tmp_path / "run")
-    trainer = Trainer(cfg, tmp_path / "run", new_model(cfg), data.train.tokens, data.val.tokens, data.tokenizer)
+    model = build_model(cfg.model, cfg.train.seed)
+    trainer = Trainer(cfg, tmp_path / "run", model, data.train.tokens, data.val.tokens, data.tokenizer)
     forward = trainer.forward
 
     def poisoned(x, state, *targets, **options):  # step 3's loss (or logits) is NaN

@@ -1,4 +1,4 @@
-"""train.precision (train/precision.py): bf16-mixed trains on the CPU and resumes exactly,
+"""train.precision (runs/runtime.py): bf16-mixed trains on the CPU and resumes exactly,
 fp32 is what the CPU default gives, a precision the device cannot run or an unknown one is a
 one-line error before training; and every trainable parameter of every layer kind gets a
 gradient, so DDP runs without find_unused_parameters."""
@@ -14,7 +14,8 @@ from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, ConfigError, ModelConfig, load_config
 from rwkvx_cli.models import parameter_groups
 from rwkvx_cli.models.model import build_model
-from rwkvx_cli.train import precision
+from rwkvx_cli.runs import runtime as precision
+from rwkvx_cli.train.distributed import fsdp_policy
 from rwkvx_cli.train.runner import run_training
 from tests.train.helpers import losses, rollback_to, rows, run_cli, tiny_args
 
@@ -64,7 +65,7 @@ def test_the_cpu_default_is_plain_fp32(tmp_path, corpus):
     """auto on the CPU is fp32: bit for bit the losses of an explicit fp32 run (the behaviour before
     train.precision existed: no autocast on the CPU)."""
     assert Config().train.precision == "auto"
-    assert precision.resolve("auto", torch.device("cpu")) == "fp32"
+    assert precision.resolve_precision("auto", torch.device("cpu")) == "fp32"
     train(tmp_path / "default", corpus)
     train(tmp_path / "fp32", corpus, "train.precision=fp32")
     assert losses(tmp_path / "default") == losses(tmp_path / "fp32")
@@ -95,32 +96,34 @@ def test_a_gpu_without_bf16_is_refused_before_training(tmp_path, corpus, monkeyp
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "Old GPU")
     cuda = torch.device("cuda", 0)
     with pytest.raises(ConfigError) as e:
-        precision.resolve("bf16-mixed", cuda)
+        precision.resolve_precision("bf16-mixed", cuda)
     assert str(e.value) == (
         "train.precision: bf16-mixed: this GPU (Old GPU) does not support bfloat16; use train.precision=fp32 (or tf32)"
     )
-    assert precision.resolve("auto", cuda) == "fp32"  # auto takes what the GPU can run
-    assert precision.resolve("bf16-mixed", cuda, fallback=True) == "fp32"  # rwkvx eval of such a run
+    assert precision.resolve_precision("auto", cuda) == "fp32"  # auto takes what the GPU can run
+    assert precision.resolve_precision("bf16-mixed", cuda, fallback=True) == "fp32"  # rwkvx eval of such a run
 
     # The run refuses before it touches the run directory, prepares data or builds the model.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda device: None)
     run_dir = tmp_path / "run"
-    cfg = load_config(None, tiny_args(run_dir, corpus, "train.precision=bf16-mixed"))
+    cfg = load_config(None, tiny_args(run_dir, corpus, "train.precision=bf16-mixed", "train.device=cuda"))
     with pytest.raises(ConfigError, match="does not support bfloat16"):
-        run_training(cfg, resume=False, device=cuda)
+        run_training(cfg, resume=False)
     assert not run_dir.exists()
 
 
 def test_tf32_needs_cuda(monkeypatch):
     with pytest.raises(ConfigError, match="^train.precision: tf32 is a CUDA matmul mode; on the CPU use fp32 or bf16"):
-        precision.resolve("tf32", torch.device("cpu"))
-    assert precision.resolve("tf32", torch.device("cpu"), fallback=True) == "fp32"
+        precision.resolve_precision("tf32", torch.device("cpu"))
+    assert precision.resolve_precision("tf32", torch.device("cpu"), fallback=True) == "fp32"
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a, **k: "V100")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (7, 0))
     with pytest.raises(ConfigError, match=r"tf32: this GPU \(V100\) has no TF32 tensor cores"):
-        precision.resolve("tf32", cuda)
+        precision.resolve_precision("tf32", cuda)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a, **k: (9, 0))
-    assert precision.resolve("tf32", cuda) == "tf32"
+    assert precision.resolve_precision("tf32", cuda) == "tf32"
 
 
 def test_matmul_precision_and_fsdp_policy():
@@ -132,9 +135,9 @@ def test_matmul_precision_and_fsdp_policy():
         assert torch.get_float32_matmul_precision() == "highest"
     finally:
         torch.set_float32_matmul_precision(before)
-    policy = precision.fsdp_policy("bf16-mixed")
+    policy = fsdp_policy("bf16-mixed")
     assert (policy.param_dtype, policy.reduce_dtype) == (torch.bfloat16, torch.float32)
-    assert precision.fsdp_policy("fp32") is None and precision.fsdp_policy("tf32") is None
+    assert fsdp_policy("fp32") is None and fsdp_policy("tf32") is None
     assert isinstance(precision.autocast("bf16-mixed", torch.device("cpu")), torch.autocast)
 
 

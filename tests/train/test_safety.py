@@ -21,8 +21,9 @@ from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import read_prepared_meta
 from rwkvx_cli.fsio import RUN_MARKER, NotOurDirectory, check_writable_dir
 from rwkvx_cli.models.generate import sample_next
-from rwkvx_cli.train import checkpoint as ck
-from rwkvx_cli.train.checkpoint import CheckpointError, load_weights_file
+from rwkvx_cli.runs import store as ck
+from rwkvx_cli.runs.store import CheckpointError
+from rwkvx_cli.runs.weights import load_weights_file
 from tests.train.helpers import REPO, cli_command, env, run_cli, tiny_args
 
 runner = CliRunner()
@@ -88,7 +89,7 @@ def test_a_second_process_on_a_held_run_dir_is_refused_and_a_dead_holder_is_take
         [
             sys.executable,
             "-c",
-            "import sys, time\nfrom rwkvx_cli.train.lock import hold_run\n"
+            "import sys, time\nfrom rwkvx_cli.runs.lock import hold_run\n"
             f"with hold_run({str(run)!r}):\n    print('held', flush=True)\n    time.sleep(120)\n",
         ],
         stdout=subprocess.PIPE,

@@ -4,16 +4,27 @@ Every time mix maps [B, T, C] -> [B, T, C] behind the same interface, so one
 `Block` holds any of them:
 
 - `from_config(cfg, layer_id)`: build it from the model config;
-- `forward(x, v_first, state) -> (y, v_first, state)`: `state` is a dict of
-  tensors, batch first (None for MoBA, which has none); `v_first` is RWKV-7's
-  first-layer value, passed through by the other kinds;
+- `forward(x, v_first, state, graph=PLAIN) -> (y, v_first, state)`: `state` is a
+  dict of tensors, batch first (None for MoBA, which has none); `v_first` is
+  RWKV-7's first-layer value, passed through by the other kinds; `graph` the
+  hooks (common.Graph) through which LRP reads the same forward as its modified
+  graph: a kind whose forward calls none has no LRP rules (explain refuses it);
 - `empty_state(B, device)`: the zero state (None for MoBA);
 - `reset_parameters(gen, layer, n_layer)`: its seeded init, at depth `layer` of
   `n_layer` (docs/model.md#initialisation);
 - `op_dims()`, for the recurrent ones: the op and its dims for one token (FLOP counts).
 """
 
-from rwkvx_cli.models.layers.common import ChannelMix, GatedRMSNorm, ShortConv, State, orthogonal_, shifted
+from rwkvx_cli.models.layers.common import (
+    PLAIN,
+    ChannelMix,
+    GatedRMSNorm,
+    Graph,
+    ShortConv,
+    State,
+    orthogonal_,
+    shifted,
+)
 from rwkvx_cli.models.layers.delta import DeltaMix, GatedDeltaNet, KimiDeltaAttention
 from rwkvx_cli.models.layers.moba import MobaAttention
 from rwkvx_cli.models.layers.rwkv4 import RWKV4TimeMix
@@ -31,11 +42,13 @@ TIME_MIXES: dict[str, type] = {
 }
 
 __all__ = [
+    "PLAIN",
     "TIME_MIXES",
     "ChannelMix",
     "DeltaMix",
     "GatedDeltaNet",
     "GatedRMSNorm",
+    "Graph",
     "KimiDeltaAttention",
     "MobaAttention",
     "RWKV4TimeMix",

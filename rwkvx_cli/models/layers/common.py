@@ -48,6 +48,38 @@ def relu_square(x: torch.Tensor) -> torch.Tensor:
     return _ReluSquare.apply(x)
 
 
+class Graph:
+    """The points of a layer's forward where another reading of the same computation differs from
+    the plain one: layer-wise relevance propagation's modified graph (explain/graph.py) holds some
+    quantities constant, marks the sums its ε-rule splits, and swaps the recurrences and norms for
+    their rules. Layers with LRP rules write their forward once, through these hooks; `PLAIN`, the
+    one every caller but explain passes, is the plain forward (identities, the fast ops)."""
+
+    def const(self, t: torch.Tensor) -> torch.Tensor:
+        """A quantity LRP's rule holds constant (a gate, a key, a normaliser)."""
+        return t
+
+    def sum(self, t: torch.Tensor) -> torch.Tensor:
+        """A sum node, whose relevance LRP's ε-rule splits over its terms."""
+        return t
+
+    def layer_norm(self, norm: nn.Module, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def group_norm(self, norm: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
+        return norm(x)
+
+    def relu_square(self, z: torch.Tensor) -> torch.Tensor:
+        return relu_square(z)
+
+    def op(self, fn):
+        """A recurrence op (ops.wkv7, ops.wkv4), called as the op is."""
+        return fn
+
+
+PLAIN = Graph()
+
+
 def orthogonal_(w: torch.Tensor, gain: float, gen: torch.Generator) -> None:
     """RWKV-LM's rule: the gain is scaled by sqrt(rows / cols) when rows > cols."""
     rows, cols = w.shape
@@ -59,25 +91,6 @@ def depth_ratios(layer: int, n_layer: int) -> tuple[float, float]:
     return (layer / (n_layer - 1) if n_layer > 1 else 0.0), 1.0 - layer / n_layer
 
 
-def lrp_eps(z: torch.Tensor, eps: float) -> torch.Tensor:
-    """LRP's ε-rule at a sum node z = Σ_i c_i, as a gradient scale (docs/explain.md#the-method).
-
-    The value is z; the gradient through it is multiplied by s = z / (z + ε·sign z) (sign 0 = +1).
-    With relevance carried as R = x ⊙ ∂f/∂x, the ε-rule's split R(c_i) = c_i R(z) / (z + ε·sign z)
-    is then exactly what autograd computes; ε = 0 is the z-rule (the identity here)."""
-    if eps == 0:
-        return z
-    s = (z / (z + eps * torch.where(z >= 0, 1.0, -1.0).to(z.dtype))).detach()
-    return z * s + (z * (1 - s)).detach()
-
-
-def layer_norm_lrp(ln: nn.LayerNorm, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """LayerNorm with LRP's usual rule: the normaliser 1/sqrt(var + eps_ln) is a constant, so the
-    map is linear in x (the centring) plus the bias, which keeps the relevance it is sent."""
-    rstd = torch.rsqrt(x.var(-1, unbiased=False, keepdim=True) + ln.eps).detach()
-    return lrp_eps((x - x.mean(-1, keepdim=True)) * rstd * ln.weight + ln.bias, eps)
-
-
 class ChannelMix(nn.Module):
     """RWKV's channel mix, in every block kind: value(relu(key(x + (x_{t-1} - x) x_k))²)."""
 
@@ -87,21 +100,13 @@ class ChannelMix(nn.Module):
         self.key = nn.Linear(C, 4 * C, bias=False)
         self.value = nn.Linear(4 * C, C, bias=False)
 
-    def forward(self, x: torch.Tensor, shift: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        k = x + (shifted(x, shift) - x) * self.x_k
-        return self.value(relu_square(self.key(k))), x[:, -1]
-
-    def lrp_forward(self, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-        """The forward of a fresh sequence as LRP's modified graph (docs/explain.md#channel-mix).
-
-        The token shift is the weighted sum (1 - x_k) x_t + x_k x_{t-1}; key and value are linear
-        maps (z-rule); relu passes relevance through (relu(z) = z where it is on); the square
-        relu(z)·relu(z) takes one factor as a constant gate, so the relevance of the square goes
-        whole to z (the other factor would double-count it). Gradient × input on this graph is
-        then the composed ε-rule."""
-        k = lrp_eps(x + (shifted(x, None) - x) * self.x_k, eps)
-        h = torch.relu(lrp_eps(self.key(k), eps))
-        return lrp_eps(self.value(h * h.detach()), eps)
+    def forward(
+        self, x: torch.Tensor, shift: torch.Tensor | None = None, graph: Graph = PLAIN
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        # LRP's rule (docs/explain.md#channel-mix): the token shift is the weighted sum
+        # (1 - x_k) x_t + x_k x_{t-1}; key and value are linear; relu² passes its relevance whole to z.
+        k = graph.sum(x + (shifted(x, shift) - x) * self.x_k)
+        return graph.sum(self.value(graph.relu_square(graph.sum(self.key(k))))), x[:, -1]
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

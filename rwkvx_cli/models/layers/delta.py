@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import GatedRMSNorm, ShortConv, State, orthogonal_, upcast
+from rwkvx_cli.models.layers.common import PLAIN, GatedRMSNorm, Graph, ShortConv, State, orthogonal_, upcast
 from rwkvx_cli.ops import gdn, kda
 
 
@@ -53,7 +53,7 @@ class DeltaMix(nn.Module):
             "S": torch.zeros(B, H, N, N, device=device),
         }
 
-    def forward(self, x: torch.Tensor, v_first, state: State | None = None):
+    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN):
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         qkv, conv_state = self.conv(

@@ -8,7 +8,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import orthogonal_
+from rwkvx_cli.models.layers.common import PLAIN, Graph, orthogonal_
 from rwkvx_cli.ops.moba import moba
 
 
@@ -28,7 +28,7 @@ class MobaAttention(nn.Module):
     def empty_state(self, B: int, device) -> None:
         return None
 
-    def forward(self, x, v_first, state=None):
+    def forward(self, x, v_first, state=None, graph: Graph = PLAIN):
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.head_size) for p in (self.receptance, self.key, self.value))
         y = moba(q, k, v, chunk_size=self.chunk, top_k=self.top_k)

@@ -14,67 +14,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import State, depth_ratios, lrp_eps, orthogonal_, shifted
+from rwkvx_cli.models.layers.common import PLAIN, Graph, State, depth_ratios, orthogonal_, shifted
 from rwkvx_cli.ops import wkv7
 
 
 def lora_rank(multiplier: float, C: int) -> int:
     return max(32, int(round(multiplier * math.sqrt(C) / 32) * 32))
-
-
-def wkv7_lrp(
-    r: torch.Tensor,
-    w: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    a: torch.Tensor,
-    b: torch.Tensor,
-    eps: float = 0.0,
-) -> torch.Tensor:
-    """WKV7 from a zero state as LRP's modified graph: y [B, T, H, N], linear in v.
-
-    `w` is the log decay, as the op takes it. With r, w, k, a, b constants (their forward values,
-    detached), per (batch, head), with S the [N_v, N_k] state:
-
-        S_t[i,j] = Σ_m S_{t-1}[i,m] M_t[m,j] + v_t[i] k_t[j],   M_t = diag(e^{w_t}) + a_t b_tᵀ
-        y_t[i]   = Σ_j S_t[i,j] r_t[j]
-
-    Both are sums of terms each linear in one S_{t-1}[i,m] or v_t[i]. The ε-rule (z ± ε: z + ε·sign z)
-    splits each node's relevance over its terms:
-
-        R(S_t[i,j])     = S_t[i,j] r_t[j] R(y_t[i]) / (y_t[i] ± ε)                     from the output
-                        + Σ_l S_t[i,j] M_{t+1}[j,l] R(S_{t+1}[i,l]) / (S_{t+1}[i,l] ± ε)   the carry
-        R(v_t[i])       = Σ_j v_t[i] k_t[j] R(S_t[i,j]) / (S_t[i,j] ± ε)
-
-    run from t = T down to 1 (no carry into S_T; S_0 = 0 keeps none). The state-relevance carry
-    R(S_t) plays MambaLRP's R(h_t); rows i (value channels) never mix, so relevance stays in its
-    value channel until it reaches v. At ε = 0 every split hands on exactly what it receives, so
-    Σ_t Σ_i R(v_t[i]) = Σ_t Σ_i R(y_t[i]).
-
-    Relevance is R = x ⊙ ∂f/∂x on this graph: with the constants detached each node is linear in
-    its inputs, and lrp_eps scales the gradient through each sum by z / (z ± ε), so the backward
-    pass computes the splits above, the carry included. explain/rules.py's `wkv7_relevance` runs
-    them explicitly; the tests check that the two agree.
-    """
-    r, k, a, b = (t.detach() for t in (r, k, a, b))
-    decay = torch.exp(w.detach())
-    B, T, H, N = r.shape
-    S = v.new_zeros(B, H, N, N)
-    ys = []
-    for t in range(T):
-        S = S * decay[:, t, :, None, :] + torch.einsum("bhij,bhj->bhi", S, a[:, t])[..., None] * b[:, t, :, None, :]
-        S = lrp_eps(S + v[:, t, :, :, None] * k[:, t, :, None, :], eps)
-        ys.append(lrp_eps(torch.einsum("bhij,bhj->bhi", S, r[:, t]), eps))
-    return torch.stack(ys, dim=1)
-
-
-def group_norm_lrp(gn: nn.GroupNorm, x: torch.Tensor, eps: float = 0.0) -> torch.Tensor:
-    """GroupNorm over [.., C] with LayerNorm's LRP rule per group: the normaliser is a constant."""
-    shape = x.shape
-    xg = x.reshape(*shape[:-1], gn.num_groups, -1)
-    rstd = torch.rsqrt(xg.var(-1, unbiased=False, keepdim=True) + gn.eps).detach()
-    y = ((xg - xg.mean(-1, keepdim=True)) * rstd).reshape(shape)
-    return lrp_eps(y * gn.weight + gn.bias, eps)
 
 
 class RWKV7TimeMix(nn.Module):
@@ -118,25 +63,30 @@ class RWKV7TimeMix(nn.Module):
         C, H, N = self.x_r.shape[-1], self.n_head, self.head_size
         return {"att_shift": torch.zeros(B, C, device=device), "wkv": torch.zeros(B, H, N, N, device=device)}
 
-    def forward(self, x, v_first, state: State | None = None):
+    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN):
+        """`graph`: PLAIN, or LRP's modified graph (explain/graph.py), for which r, w, k, a, the
+        in-context learning rate's kk, the value-residual gate, the output gate g, and ln_x's
+        normaliser are constants, so relevance reaches x through the value alone
+        (docs/explain.md#rwkv-7-time-mix)."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         s = state or {}
         xx = shifted(x, s.get("att_shift")) - x
-        xr, xw, xk, xv, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_v, self.x_a, self.x_g))
-        r = self.receptance(xr)
+        xr, xw, xk, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_a, self.x_g))
+        xv = graph.sum(x + xx * self.x_v)
+        r = graph.const(self.receptance(xr))
         # log of the effective decay: -exp(-0.5) * sigmoid(...), so w_eff lies in (0.545, 1)
-        w = -math.exp(-0.5) * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)
-        k = self.key(xk)
-        v = self.value(xv)
+        w = graph.const(-math.exp(-0.5) * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2))
+        k = graph.const(self.key(xk))
+        v = graph.sum(self.value(xv))
         if self.layer_id == 0:
             v_first = v
         else:
-            v = v + (v_first - v) * torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)
-        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2)
-        g = torch.sigmoid(xg @ self.g1) @ self.g2
-        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C)
-        k = k * (1 + (a - 1) * self.k_a)
+            v = graph.sum(v + (v_first - v) * graph.const(torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2)))
+        a = graph.const(torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2))
+        g = graph.const(torch.sigmoid(xg @ self.g1) @ self.g2)
+        kk = graph.const(F.normalize((k * self.k_k).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C))
+        k = graph.const(k * (1 + (a - 1) * self.k_a))
 
         def heads(t):
             return t.view(B, T, H, N)
@@ -145,50 +95,11 @@ class RWKV7TimeMix(nn.Module):
         # parameters in: the op takes one dtype, the activations' (RWKV-LM casts all six to bf16);
         # its state and accumulation stay fp32. A no-op in fp32.
         ins = (heads(t).to(r.dtype) for t in (r, w, k, v, -kk, kk * a))
-        y, wkv = wkv7(*ins, state=s.get("wkv"))
-        y = self.ln_x(y.reshape(B * T, C)).view(B, T, C)
-        y = y + ((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True) * heads(v)).view(B, T, C)
-        return self.output(y * g), v_first, {"att_shift": x[:, -1], "wkv": wkv}
-
-    def lrp_forward(self, x: torch.Tensor, v_first, eps: float = 0.0):
-        """`forward` of a fresh sequence as LRP's modified graph (docs/explain.md#rwkv-7-time-mix):
-        returns (out, v_first).
-
-        Constants (detached): r, w, k, a, the in-context learning rate's kk, the value-residual
-        gate, the output gate g and ln_x's normaliser. What is left is linear in x through the
-        value alone: the token shift's weighted sum (1 - x_v) x_t + x_v x_{t-1}; value; the
-        value-residual mix v (1 - γ) + v_first γ (γ the gate), which also hands relevance back to
-        the first RWKV-7 layer's value; the state recurrence (wkv7_lrp, where the carry over
-        time is derived); ln_x (normaliser constant, its bias keeps its share); the bonus
-        (Σ_j r_j k_j r_k_j) v_t, a constant times v_t, summed with ln_x's output; y ⊙ g; output.
-        """
-        B, T, C = x.shape
-        H, N = self.n_head, self.head_size
-        xx = shifted(x, None) - x
-        xr, xw, xk, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_a, self.x_g))
-        xv = lrp_eps(x + xx * self.x_v, eps)
-        r = self.receptance(xr).detach()
-        w = (-math.exp(-0.5) * torch.sigmoid(self.w0 + torch.tanh(xw @ self.w1) @ self.w2)).detach()
-        k = self.key(xk).detach()
-        v = lrp_eps(self.value(xv), eps)
-        if self.layer_id == 0:
-            v_first = v
-        else:
-            gate = torch.sigmoid(self.v0 + (xv @ self.v1) @ self.v2).detach()
-            v = lrp_eps(v * (1 - gate) + v_first * gate, eps)
-        a = torch.sigmoid(self.a0 + (xa @ self.a1) @ self.a2).detach()
-        g = (torch.sigmoid(xg @ self.g1) @ self.g2).detach()
-        kk = F.normalize((k * self.k_k).view(B, T, H, N), dim=-1, p=2.0).view(B, T, C).detach()
-        k = (k * (1 + (a - 1) * self.k_a)).detach()
-
-        def heads(t):
-            return t.view(B, T, H, N)
-
-        y = wkv7_lrp(heads(r), heads(w), heads(k), heads(v), heads(-kk), heads(kk * a), eps)
-        y = group_norm_lrp(self.ln_x, y.reshape(B, T, C), eps)
-        bonus = (heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True).detach()
-        y = lrp_eps(y + (bonus * heads(v)).view(B, T, C), eps)
-        return lrp_eps(self.output(y * g), eps), v_first
+        y, wkv = graph.op(wkv7)(*ins, state=s.get("wkv"))
+        y = graph.group_norm(self.ln_x, y.reshape(B * T, C)).view(B, T, C)
+        bonus = graph.const((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True))
+        y = graph.sum(y + (bonus * heads(v)).view(B, T, C))
+        return graph.sum(self.output(y * g)), v_first, {"att_shift": x[:, -1], "wkv": wkv}
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

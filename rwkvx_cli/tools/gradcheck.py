@@ -27,7 +27,10 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.ops import get_op, op_names, resolve_backend
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors
+from rwkvx_cli.runs.memory import check_op_shape
 
 THRESHOLD = 1e-3
 REL_FLOOR = 1e-6
@@ -248,3 +251,44 @@ def run_gradcheck(
             on_case(f"{bk.name}: gate B, {spec.fd_case.name}")
         report.results.append(gate_b(spec, bk, spec.fd_case, seed * 1000 + len(spec.cases), device))
     return report
+
+
+def plan_gradcheck(
+    op: str, names: list[str] | None, size: int, on_skip: Callable[[str, str], None] | None = None
+) -> list[tuple[OpSpec, list[Backend]]]:
+    """What `rwkvx gradcheck --op OP|all [--backend NAME ...]` checks: each op with the named backends
+    (with `all`, those it has: moba has no `cpu`), or its production backends that run on the CPU
+    (`on_skip(backend, reason)` hears of the others). Every name and size is checked before any run."""
+    try:
+        specs = [get_op(name) for name in (op_names() if op == "all" else [op])]
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    if op == "all" and names:
+        picked = {spec.name: [n for n in names if n == "auto" or n in spec.backends] for spec in specs}
+        specs = [spec for spec in specs if picked[spec.name]]
+        if not specs:
+            raise UsageError(f"--backend {', '.join(names)}: no op has such a backend")
+        chosen = [(spec, _backends(spec, picked[spec.name], on_skip)) for spec in specs]
+    else:
+        chosen = [(spec, _backends(spec, names, on_skip)) for spec in specs]
+    for spec in specs:  # fp64: at least three inputs and the output of each case
+        for case in spec.cases:
+            check_op_shape(case.scaled(size).dims, 8, 4, f"gradcheck {spec.name} --size {size} ({case.name})", "cpu")
+    return chosen
+
+
+def _backends(spec: OpSpec, names: list[str] | None, on_skip) -> list[Backend]:
+    cpu = torch.device("cpu")
+    if names:
+        try:
+            return [resolve_backend(spec, name, cpu) for name in names]
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    backends = []
+    for bk in spec.production_backends():
+        reason = bk.unavailable() if "cpu" in bk.devices else "does not run on cpu"
+        if reason is None:
+            backends.append(bk)
+        elif on_skip:
+            on_skip(bk.name, reason)
+    return backends

@@ -13,7 +13,9 @@ from safetensors.torch import save_file
 
 from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.fsio import fsync_path, temp_path
-from rwkvx_cli.train import checkpoint as ck
+from rwkvx_cli.models import layer_kinds
+from rwkvx_cli.runs import store
+from rwkvx_cli.runs.opening import find_checkpoint
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
@@ -29,13 +31,12 @@ def export_checkpoint(
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     out = Path(out)
     _check_target(out, force)
-    path = ck.resolve_checkpoint(checkpoint, on_skip)
-    meta = ck.read_meta(path)
-    weights = ck.load_weights(path)
-    model_cfg = meta["config"]["model"]
-    other = sorted(set(model_cfg.get("layers") or []) - {"rwkv7"}) or (["moba"] if model_cfg.get("n_attn", 0) else [])
+    ckpt = find_checkpoint(checkpoint, on_skip)
+    path, meta = ckpt.path, ckpt.meta
+    other = sorted(set(layer_kinds(ckpt.config.model)) - {"rwkv7"})
     if fmt == "rwkv-lm" and other:
         raise RwkvxError(f"the rwkv-lm format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
+    weights = store.load_weights(path)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
     tmp = temp_path(out)
     try:
@@ -48,7 +49,7 @@ def export_checkpoint(
         os.replace(tmp, out)
     except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         tmp.unlink(missing_ok=True)
-        raise RwkvxError(f"cannot write {out}: {ck.io_reason(e)}") from None
+        raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}") from None
     return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}
 
 

@@ -15,7 +15,7 @@ cannot share one import of the kernel modules:
    registers and spill bytes from `ptxas -v` on its PTX (the `ptxas` shipped in
    the triton wheel).
 
-`python -m rwkvx_cli.ops.compile_gate` prints the table (kernel, target, N,
+`python -m rwkvx_cli.tools.compile_gate` prints the table (kernel, target, N,
 dtype, shared KiB, registers, spill bytes); the test suite asserts the limits.
 """
 
@@ -303,7 +303,7 @@ def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES) -> list[Launch]:
     """Run `record_launches` in a child process with the interpreter on."""
     code = (
         "import json, sys; from dataclasses import asdict; "
-        "from rwkvx_cli.ops.compile_gate import record_launches; "
+        "from rwkvx_cli.tools.compile_gate import record_launches; "
         f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r})]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}

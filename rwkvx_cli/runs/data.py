@@ -1,41 +1,24 @@
-"""Run directories: their layout, resolving the data, building the model, summarising it.
-
-<run>/config.yaml (resolved), <run>/tokenizer.json, <run>/data/ (prepared
-tokens unless data.prepared_dir says otherwise), <run>/checkpoints/,
-<run>/metrics.jsonl, <run>/loss.png. The paths are built here only.
-"""
+"""A run's data: prepared once from data.corpus (rank 0 tokenizes, the others open it), a bare
+binidx prefix (data.binidx) or a mixture (data.mix), opened with the vocabulary checked and at
+least one window per split. Where the files are: runs/layout.py."""
 
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import shlex
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from rwkvx_cli.config import Config, ConfigError, config_to_dict
-from rwkvx_cli.data import PrepareStats, load_tokenizer, open_tokens, prepare
+from rwkvx_cli.config import Config, ConfigError
+from rwkvx_cli.data import PrepareStats, open_tokens, prepare
 from rwkvx_cli.data.errors import DataError
-from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, claim_dir
-from rwkvx_cli.models import LM, build_model
-from rwkvx_cli.ops import get_op
-
-
-def checkpoints_dir(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "checkpoints"
-
-
-def metrics_path(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "metrics.jsonl"
-
-
-def loss_plot_path(run_dir: Path | str) -> Path:
-    return Path(run_dir) / "loss.png"
+from rwkvx_cli.data.prepare import read_prepared_meta
+from rwkvx_cli.fsio import atomic_write_text
+from rwkvx_cli.runs.layout import TOKENIZER_FILE, data_dir_for, is_prepared
+from rwkvx_cli.runs.tokenizers import dir_tokenizer, named_tokenizer
 
 
 @dataclass
@@ -68,21 +51,6 @@ class Mixture:
 
 # Written beside a bare prefix's or a mixture's tokenizer.json: what the run trains and validates on.
 SOURCE_FILE = "source.json"
-
-
-def _prepared(path: Path) -> bool:
-    return path.is_dir() and (path / "meta.json").is_file()
-
-
-def data_dir_for(cfg: Config, run_dir: Path) -> Path:
-    """Where a run's prepared tokens (or, for data.binidx / data.mix, its tokenizer.json and
-    source.json) are: the corpus itself when it is a prepared directory (one holding meta.json;
-    any other directory is a corpus folder to prepare), else data.prepared_dir, else <run>/data.
-    Training and `rwkvx eval` both use this rule."""
-    corpus = [Path(p) for p in cfg.data.corpus]
-    if not cfg.data.binidx and cfg.data.mix is None and len(corpus) == 1 and _prepared(corpus[0]):
-        return corpus[0]  # already prepared
-    return Path(cfg.data.prepared_dir) if cfg.data.prepared_dir else run_dir / "data"
 
 
 def needs_preparing(cfg: Config, run_dir: Path) -> bool:
@@ -130,7 +98,7 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
     data = open_data(cfg, run_dir)
     data.prepared = stats
     if cfg.data.binidx or cfg.data.mix is not None:
-        _write_if_changed(data.data_dir / "tokenizer.json", data.tokenizer.to_json())
+        _write_if_changed(data.data_dir / TOKENIZER_FILE, data.tokenizer.to_json())
         _write_if_changed(data.data_dir / SOURCE_FILE, json.dumps(_source_meta(cfg, data), indent=2) + "\n")
     return data
 
@@ -138,17 +106,19 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
 def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_train: bool = True) -> RunData:
     """Open a run's data as it is, without preparing anything: the prepared directory (`data_dir`,
     default `data_dir_for`), the bare prefix data.binidx, or the mixture data.mix. Token ids are
-    checked against the vocabulary, and each split must hold one window of train.ctx_len + 1
+    checked against the vocabulary (and a prepared directory's files against its meta.json), and
+    each split must hold one window of train.ctx_len + 1
     (only the validation split's when not `check_train`: evaluation reads nothing else)."""
     d = cfg.data
-    if data_dir is not None or not (d.binidx or d.mix is not None):
+    prepared = data_dir is not None or not (d.binidx or d.mix is not None)
+    if prepared:
         ddir = data_dir if data_dir is not None else data_dir_for(cfg, run_dir)
-        tokenizer = _dir_tokenizer(ddir)
+        tokenizer = dir_tokenizer(ddir)
         train, val = open_tokens(ddir / "train.bin"), open_tokens(ddir / "val.bin")
         splits = [("training", ddir, train), ("validation", ddir, val)]
     elif d.binidx:
         ddir = data_dir_for(cfg, run_dir)
-        tokenizer = _named_tokenizer(cfg)
+        tokenizer = named_tokenizer(cfg)
         whole = open_tokens(d.binidx)
         if d.val_binidx:
             train, val = whole, open_tokens(d.val_binidx)
@@ -173,6 +143,8 @@ def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_tr
                 f"the {name} split ({where}) has {len(split.tokens)} tokens, fewer than one window of "
                 f"train.ctx_len + 1 = {cfg.train.ctx_len + 1}"
             )
+    if prepared and (ddir / "meta.json").is_file():  # a damaged or edited one is refused rather than read
+        read_prepared_meta(ddir, tokenizer.vocab_size)
     return RunData(train, val, tokenizer, ddir, None)
 
 
@@ -186,29 +158,6 @@ def _check_vocab(splits, cfg: Config, tokenizer) -> None:
             split.check_vocab(min(cfg.model.vocab_size, tokenizer.vocab_size))
 
 
-def _dir_tokenizer(ddir: Path):
-    """A prepared directory's tokenizer, with the end-of-document id it was prepared with."""
-    eod_id = None
-    try:
-        meta = json.loads((ddir / "meta.json").read_text())
-        eod_id = meta["tokenizer"]["eod_id"]
-    except (OSError, ValueError, KeyError, TypeError):
-        pass  # an older meta.json: the default id
-    return load_tokenizer(ddir / "tokenizer.json", eod_id=eod_id if isinstance(eod_id, int) else None)
-
-
-def _named_tokenizer(cfg: Config):
-    """data.tokenizer for tokens that came without one: byte, world or a tokenizer.json path."""
-    name = cfg.data.tokenizer
-    if name in ("byte", "world"):
-        return load_tokenizer(name)
-    if not Path(name).is_file():
-        raise ConfigError(
-            f"data.tokenizer: {name!r} is not a tokenizer name (byte, world) nor a tokenizer.json file"
-        )
-    return load_tokenizer(name, eod_id=cfg.data.eod_id)
-
-
 def _open_mix(cfg: Config):
     """(train Mixture, validation split, tokenizer, splits to check) of data.mix."""
     d = cfg.data
@@ -216,7 +165,7 @@ def _open_mix(cfg: Config):
     for i, src in enumerate(d.mix):
         path = Path(src.path)
         if path.is_dir():
-            if not _prepared(path):
+            if not is_prepared(path):
                 raise DataError(
                     f"data.mix[{i}]: {path} is a directory without meta.json, not a prepared dataset; "
                     f"prepare it first with `rwkvx data prepare FILES --out {path}`"
@@ -229,12 +178,12 @@ def _open_mix(cfg: Config):
         if src.weight > 0:
             splits.append(("training", f"data.mix[{i}] {path}", split))
     if dirs:
-        tokenizer = _dir_tokenizer(dirs[0])
+        tokenizer = dir_tokenizer(dirs[0])
         for other in dirs[1:]:
             if (other / "tokenizer.json").read_bytes() != (dirs[0] / "tokenizer.json").read_bytes():
                 raise DataError(f"data.mix: {dirs[0]} and {other} were prepared with different tokenizers")
     else:
-        tokenizer = _named_tokenizer(cfg)
+        tokenizer = named_tokenizer(cfg)
     if d.val_binidx:
         val, where = open_tokens(d.val_binidx), d.val_binidx
     elif dirs:
@@ -284,91 +233,3 @@ def _write_if_changed(path: Path, text: str) -> None:
         if path.read_text() == text:
             return
     atomic_write_text(path, text)
-
-
-def open_run(
-    cfg: Config,
-    run_dir: Path,
-    data_progress: Callable[[], contextlib.AbstractContextManager] | None = None,
-    on_prepared: Callable[[PrepareStats], None] | None = None,
-) -> tuple[RunData, LM]:
-    """Prepare the data if needed, build the model, and write the run files. `data_progress()`
-    is entered around the preparation and yields its progress callback (done, total);
-    `on_prepared(stats)` hears when this call tokenized the corpus."""
-    with data_progress() if data_progress else contextlib.nullcontext() as progress:
-        data = ensure_data(cfg, run_dir, progress)
-    if data.prepared is not None and on_prepared:
-        on_prepared(data.prepared)
-    model = new_model(cfg)
-    write_run_files(cfg, run_dir, data)
-    return data, model
-
-
-def write_run_files(cfg: Config, run_dir: Path, data: RunData) -> None:
-    claim_dir(run_dir, RUN_MARKER)  # the runner checked it is ours (runner.claim_run)
-    if data.data_dir.resolve() != run_dir.resolve():
-        target = run_dir / "tokenizer.json"
-        if not target.exists() or target.resolve() != (data.data_dir / "tokenizer.json").resolve():
-            if any(checkpoints_dir(run_dir).glob("step_*")):
-                check_same_tokenizer(run_dir, data.data_dir)  # a trained run keeps its tokenizer
-            atomic_write_bytes(target, (data.data_dir / "tokenizer.json").read_bytes())
-    atomic_write_text(run_dir / "config.yaml", yaml.safe_dump(config_to_dict(cfg), sort_keys=False))
-
-
-def check_same_tokenizer(run_dir: Path, data_dir: Path) -> None:
-    """Refuse data tokenized otherwise than the run (its <run>/tokenizer.json): every loss and bits
-    per byte figure would be silently wrong."""
-    ours, theirs = Path(run_dir) / "tokenizer.json", Path(data_dir) / "tokenizer.json"
-    if not ours.is_file() or not theirs.is_file() or ours.resolve() == theirs.resolve():
-        return
-    if hashlib.sha256(ours.read_bytes()).digest() != hashlib.sha256(theirs.read_bytes()).digest():
-        raise DataError(
-            f"the tokenizer of {data_dir} ({theirs}) differs from the one the run was trained with ({ours}); "
-            "use data tokenized with the run's tokenizer"
-        )
-
-
-# One letter per block in the model summary.
-BLOCK_LETTERS = {"rwkv7": "R", "moba": "A", "rwkv4": "4", "gdn": "G", "kda": "K", "rwkv8": "8"}
-
-
-def model_summary(model: LM) -> dict:
-    """Parameter counts per component, forward FLOPs per token, recurrent state size."""
-    groups: dict[str, int] = {}
-    for name, p in model.named_parameters():
-        if name.startswith("emb."):
-            key = "embedding"
-        elif name.startswith("head."):
-            key = "head"
-        elif name.startswith("blocks."):
-            kind = model.kinds[int(name.split(".")[1])]
-            part = name.split(".")[2]
-            key = f"{kind}.{'time_mix' if part == 'att' else 'channel_mix' if part == 'ffn' else 'norms'}"
-        else:
-            key = "norms"
-        groups[key] = groups.get(key, 0) + p.numel()
-    matmul = sum(p.numel() for n, p in model.named_parameters() if p.dim() == 2 and not n.startswith("emb."))
-    # FLOPs/token: 2 per matmul weight forward (6 with backward), plus each recurrent
-    # layer's op count for one token (the op's registry `flops`, e.g. wkv7: 9 N² per head
-    # forward, 28 N² with backward). Attention's score/value products are not counted.
-    fwd = bwd = 0.0
-    state_floats = 0
-    for kind, blk in zip(model.kinds, model.blocks, strict=True):
-        if kind == "moba":
-            continue
-        op, dims = blk.att.op_dims()
-        fwd += get_op(op).flops(dims, "fwd")
-        bwd += get_op(op).flops(dims, "fwdbwd")
-        state_floats += sum(t.numel() for t in blk.empty_state(1, "cpu").values())
-    return {
-        "parameters": sum(groups.values()),
-        "by_component": groups,
-        "forward_flops_per_token": int(2 * matmul + fwd),
-        "train_flops_per_token": int(6 * matmul + bwd),
-        "state_bytes_per_sequence_fp32": 4 * state_floats,
-        "blocks": "".join(BLOCK_LETTERS[k] for k in model.kinds),
-    }
-
-
-def new_model(cfg: Config) -> LM:
-    return build_model(cfg.model, cfg.train.seed)

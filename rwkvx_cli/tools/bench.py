@@ -9,14 +9,17 @@ throughput measured here and now.
 from __future__ import annotations
 
 import statistics
-import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import torch
 
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.ops import get_op, op_names
 from rwkvx_cli.ops._native import NativeBuildError, cpu_isa
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
+from rwkvx_cli.runs.memory import check_op_shape
+from rwkvx_cli.runs.runtime import matmul_peak_gflops, timed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -55,32 +58,6 @@ class BenchReport:
 
     def to_dict(self) -> dict:
         return {**{k: v for k, v in asdict(self).items() if k != "rows"}, "rows": [asdict(r) for r in self.rows]}
-
-
-def sync(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-def timed(fn: Callable[[], object], device: torch.device, min_time: float = 0.5, max_reps: int = 50) -> list[float]:
-    """One warm-up call, then repeats until `min_time` seconds (at least 3 repeats)."""
-    fn()
-    sync(device)
-    times: list[float] = []
-    while len(times) < 3 or (sum(times) < min_time and len(times) < max_reps):
-        start = time.perf_counter()
-        fn()
-        sync(device)
-        times.append(time.perf_counter() - start)
-    return times
-
-
-def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, min_time: float = 0.3) -> float:
-    """This device's matmul rate: the best of repeated n³ products (at least `min_time` s)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
-    best = min(timed(lambda: a @ b, device, min_time=min_time))
-    return 2 * n**3 / best / 1e9
 
 
 def _saved_bytes(fn: Callable[[], tuple]) -> tuple[object, int]:
@@ -218,3 +195,42 @@ def run_bench(
 def _skipped(spec, bk, dims, dtype, mode, reason) -> BenchRow:
     nan = float("nan")
     return BenchRow(spec.name, bk.name, dict(dims), dtype, mode, nan, nan, 0, nan, nan, nan, nan, error=reason)
+
+
+def parse_shape(text: str) -> dict[str, int]:
+    """`--shape B,T,H,N` as dims."""
+    try:
+        B, T, H, N = (int(x) for x in text.split(","))
+    except ValueError:
+        raise UsageError(f"--shape {text!r} must be B,T,H,N (four integers)") from None
+    if min(B, T, H, N) < 1:
+        raise UsageError(f"--shape {text!r}: every dimension must be >= 1")
+    return {"B": B, "T": T, "H": H, "N": N}
+
+
+def plan_bench(
+    ops: list[str] | None,
+    backends: list[str] | None,
+    shapes: list[str] | None,
+    dtype: str,
+    baseline: str,
+    device: torch.device,
+) -> tuple[list[OpSpec], list[dict[str, int]] | None]:
+    """The op specs and shapes `rwkvx bench` runs (every op, each at its own shapes, by default),
+    every name checked, and each shape checked to fit the device (at least three inputs and the
+    output; gradients and workspaces come on top)."""
+    try:
+        specs = [get_op(name) for name in (ops or op_names())]
+    except KeyError as e:
+        raise UsageError(e.args[0]) from None
+    for spec in specs:
+        for name in [*(backends or []), baseline]:
+            if name not in spec.backends:
+                flag = "--baseline: " if name == baseline else ""
+                raise UsageError(f"{flag}unknown backend {name!r} for {spec.name}; valid: {', '.join(spec.backends)}")
+    dims = [parse_shape(s) for s in shapes] if shapes else None
+    for spec in specs:
+        for shape in dims or spec.bench_shapes:
+            label = ",".join(str(shape[k]) for k in "BTHN")
+            check_op_shape(shape, DTYPES[dtype].itemsize, 4, f"bench {spec.name} --shape {label}", device)
+    return specs, dims

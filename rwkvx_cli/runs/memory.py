@@ -75,15 +75,13 @@ def parameter_count(mcfg) -> int:
     return total
 
 
-def training_bytes(cfg, device: torch.device) -> tuple[float, str]:
+def training_bytes(cfg, precision: str) -> tuple[float, str]:
     """(bytes, how) a training step needs at least: fp32 weights, gradients and AdamW's two moments
     (16 bytes a parameter), one micro-batch's logits and log-probabilities and block inputs,
-    and the sampled batch of token ids."""
+    and the sampled batch of token ids. `precision`: the resolved mode (runs/runtime.py)."""
     t, m = cfg.train, cfg.model
     params = parameter_count(m)
-    from rwkvx_cli.train.precision import resolve
-
-    act_bytes = 2 if resolve(t.precision, device, fallback=True) == "bf16-mixed" else 4  # bf16 autocast
+    act_bytes = 2 if precision == "bf16-mixed" else 4  # bf16 autocast
     tokens = t.micro_batch * t.ctx_len
     # fp32 logits (or their fp32 copy under autocast) and log-softmax's saved output; each block's input.
     activations = tokens * (2 * m.vocab_size * 4 + len_layers(m) * m.n_embd * act_bytes)
@@ -98,9 +96,9 @@ def len_layers(mcfg) -> int:
     return len(layer_kinds(mcfg))
 
 
-def check_training(cfg, device: torch.device) -> None:
-    need, what = training_bytes(cfg, device)
-    check_fits(need, what, device)
+def check_training(cfg, runtime) -> None:
+    need, what = training_bytes(cfg, runtime.precision)
+    check_fits(need, what, runtime.device)
 
 
 def check_model(mcfg, device: torch.device | str = "cpu") -> None:

@@ -6,13 +6,14 @@ import subprocess
 import sys
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run(tmp_path, *args):
     # the package from the checkout, as on a GPU box: no venv entry points on PATH
     env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
-    cmd = [sys.executable, "-m", "rwkvx_cli.gpu_check", "--device", "cpu", "--quick", "--out", str(tmp_path), *args]
+    cmd = [sys.executable, "-m", "rwkvx_cli.tools.gpu_check", "--device", "cpu", "--quick", "--out", str(tmp_path)]
+    cmd += args
     proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     report = json.loads((tmp_path / "gpu.json").read_text())
     return proc, report, (tmp_path / "gpu.md").read_text()

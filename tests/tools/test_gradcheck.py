@@ -6,8 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rwkvx_cli.gradcheck import THRESHOLD, compare, gate_a, gate_b, run_gradcheck
 from rwkvx_cli.ops import Backend, get_op, op_names
+from rwkvx_cli.tools.gradcheck import THRESHOLD, compare, gate_a, gate_b, run_gradcheck
 
 BACKENDS = [(op, bk.name) for op in op_names() for bk in get_op(op).production_backends()]
 

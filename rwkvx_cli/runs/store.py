@@ -1,4 +1,4 @@
-"""Checkpoints: tensors in safetensors, everything else in JSON; never pickle.
+"""The checkpoint store: tensors in safetensors, everything else in JSON; never pickle.
 
 Layout: <run>/checkpoints/step_00000100/{model.safetensors, optimizer.safetensors,
 [extra.safetensors], meta.json}. A checkpoint is written under a temporary name, its
@@ -16,7 +16,6 @@ import json
 import os
 import re
 import shutil
-import warnings
 from collections.abc import Callable
 from pathlib import Path
 
@@ -260,56 +259,6 @@ def load_optimizer_state(ckpt: Path, meta: dict) -> dict | None:
         raise CheckpointError(f"{ckpt}: the optimizer state is malformed ({type(e).__name__}: {e})") from None
 
 
-def _same_kind(saved, live) -> bool:
-    def number(x):
-        return isinstance(x, (int, float)) and not isinstance(x, bool)
-
-    if number(live):
-        return number(saved)
-    if isinstance(live, (tuple, list)):
-        return isinstance(saved, (tuple, list)) and len(saved) == len(live) and all(map(_same_kind, saved, live))
-    return type(saved) is type(live)
-
-
-def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[torch.Size], source: str) -> None:
-    """The saved optimizer state fits this optimizer: the same groups and settings, and moment
-    tensors of the parameters' shapes (`shapes`, in the optimizer's order)."""
-
-    def bad(why: str):
-        return CheckpointError(f"{source}: the optimizer state does not fit this run: {why}")
-
-    groups, items = state.get("param_groups"), state.get("state")
-    if not isinstance(groups, list) or not isinstance(items, dict) or len(groups) != len(live_groups):
-        raise bad(f"expected {len(live_groups)} parameter groups")
-    for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
-        if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"]):
-            raise bad(f"group {i} holds a different number of parameters")
-        for key, val in live.items():
-            if key != "params" and not _same_kind(g.get(key), val):
-                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
-            if isinstance(val, bool) and g.get(key) != val:  # a flag (amsgrad, maximize, ...) changes the algorithm
-                raise bad(f"group {i} setting {key!r} is {g.get(key)!r}, this run's {val!r}")
-    ids = [i for g in groups for i in g["params"]]
-    if sorted(ids, key=str) != sorted(range(len(shapes)), key=str):
-        raise bad("the parameter indices are not 0..n-1")
-    for idx, st in items.items():
-        if not isinstance(idx, int) or not 0 <= idx < len(shapes) or not isinstance(st, dict):
-            raise bad(f"state for unknown parameter {idx!r}")
-        for key, val in st.items():
-            if not isinstance(val, torch.Tensor):
-                raise bad(f"{key} of parameter {idx} is not a tensor")
-            if key != "step" and val.shape != shapes[idx]:
-                raise bad(f"{key} of parameter {idx} has shape {tuple(val.shape)}, the parameter {tuple(shapes[idx])}")
-            if not torch.isfinite(val).all():
-                raise bad(f"{key} of parameter {idx} holds non-finite values")
-
-
-def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
-    for name, t in weights.items():
-        if t.is_floating_point() and not torch.isfinite(t).all():
-            raise CheckpointError(f"{source}: {name} holds non-finite values")
-
-
 def latest_good(ckpt_root: Path, on_skip: Callable[[Path, str], None] | None = None, quarantine: bool = False):
     """(path, meta) of the newest checkpoint that verifies, or None. Each damaged newer one (a
     step directory without meta.json included) is reported to `on_skip(path, reason)` and, with
@@ -327,81 +276,16 @@ def latest_good(ckpt_root: Path, on_skip: Callable[[Path, str], None] | None = N
     return None
 
 
-def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None = None) -> Path:
-    """A checkpoint directory from itself, or the newest good one of a run directory or checkpoints folder."""
+def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None = None) -> tuple[Path, dict]:
+    """(checkpoint directory, its verified meta.json) from a checkpoint directory itself, or the newest
+    good one of a run directory or checkpoints folder."""
     path = Path(path)
     if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
-        verify(path)
-        return path
+        return path, verify(path)
     for root in (path / "checkpoints", path):
         if step_dirs(root):
             found = latest_good(root, on_skip)
             if found is None:
                 raise CheckpointError(f"every checkpoint in {root} is damaged")
-            return found[0]
+            return found
     raise CheckpointError(f"no checkpoint found at {path}")
-
-
-def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load that reports every missing, unexpected or mis-shaped tensor, and refuses NaN/inf."""
-    problems = mismatch(model.state_dict(), weights)
-    if problems:
-        raise CheckpointError(f"{source} does not match the model: {problems}")
-    check_finite(weights, source)
-    model.load_state_dict(weights)
-
-
-def mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> str:
-    """What differs between two state dicts' names and shapes ("" when nothing)."""
-    missing = sorted(set(own) - set(weights))
-    unexpected = sorted(set(weights) - set(own))
-    shapes = [
-        f"{k} {tuple(weights[k].shape)} vs {tuple(own[k].shape)}"
-        for k in sorted(set(own) & set(weights))
-        if tuple(weights[k].shape) != tuple(own[k].shape)
-    ]
-    problems = [
-        f"{what} {_first_five(names)}"
-        for what, names in (("missing", missing), ("unexpected", unexpected), ("shape mismatch", shapes))
-        if names
-    ]
-    return "; ".join(problems)
-
-
-def _first_five(names: list[str]) -> str:
-    return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
-
-
-def _load_failure(e: Exception) -> str:
-    """Why torch.load(weights_only=True) refused a file, without torch's advice to retry with
-    weights_only=False: that runs the file's code, which rwkvx never does for a file from elsewhere."""
-    text = str(e)
-    if "Weights only load failed" in text or "weights_only" in text:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        what = f" (it would call {found.group(1)})" if found else ""
-        return f"it holds Python objects besides tensors{what}; rwkvx never unpickles code"
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return first
-
-
-def load_weights_file(path: Path | str) -> dict[str, torch.Tensor]:
-    """Weights from elsewhere, never by unpickling code: a checkpoint or run directory, a
-    .safetensors file, or a .pth/.pt state dict (RWKV-LM's) through torch.load(weights_only=True)."""
-    path = Path(path)
-    if path.is_dir():
-        return load_weights(resolve_checkpoint(path))
-    if not path.is_file():
-        raise CheckpointError(f"weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        return read_safetensors(path)
-    if path.suffix not in (".pth", ".pt"):
-        raise CheckpointError(f"{path}: expected a .safetensors or .pth file, or a checkpoint directory")
-    try:
-        with warnings.catch_warnings():  # a damaged file also warns (odd pickle protocol); the error says it all
-            warnings.simplefilter("ignore")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
-        raise CheckpointError(f"{path} is not a weights-only state dict: {_load_failure(e)}") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise CheckpointError(f"{path} does not hold a flat state dict of named tensors")
-    return sd

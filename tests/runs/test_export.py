@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, ModelConfig, config_to_dict
 from rwkvx_cli.models import build_model
-from rwkvx_cli.train.checkpoint import save_checkpoint
+from rwkvx_cli.runs.store import save_checkpoint
 
 runner = CliRunner()
 
@@ -68,7 +68,7 @@ def test_safetensors_export_is_exact(trained_like_run, tmp_path):
 def test_export_refuses_bad_requests(trained_like_run, tmp_path):
     run, _ = trained_like_run
     result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "onnx", "--out", str(tmp_path / "x")])
-    assert result.exit_code == 2 and "valid: rwkv-lm, safetensors" in result.stderr
+    assert result.exit_code == 2 and "'onnx' is not one of 'rwkv-lm', 'safetensors'" in result.stderr
     result = runner.invoke(app, ["export", "--checkpoint", str(tmp_path / "nothing"), "--out", str(tmp_path / "x")])
     assert result.exit_code == 1 and "no checkpoint found" in result.stderr
     assert not (tmp_path / "x").exists()
@@ -90,7 +90,7 @@ def test_ctrl_c_outside_training_is_one_line_and_exit_130(trained_like_run, tmp_
     def interrupted(*args, **kwargs):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr("rwkvx_cli.train.export.export_checkpoint", interrupted)
+    monkeypatch.setattr("rwkvx_cli.runs.export.export_checkpoint", interrupted)
     run, _ = trained_like_run
     result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(tmp_path / "m.pth")])
     assert result.exit_code == 130 and result.stderr.strip() == "interrupted"

@@ -9,7 +9,7 @@ import pytest
 
 triton = pytest.importorskip("triton")
 
-from rwkvx_cli.ops.compile_gate import (  # noqa: E402
+from rwkvx_cli.tools.compile_gate import (  # noqa: E402
     SHARED_LIMIT,
     TARGETS,
     Launch,

@@ -19,7 +19,7 @@ kernel fails that step only:
 
 Each step's status (ok, FAIL, skipped) is in the report; the exit status is 1 if any failed.
 `--device cpu --quick` runs the same steps at tiny sizes (the test suite's check of the driver).
-Library code never prints; this module is a script (`python -m rwkvx_cli.gpu_check`).
+Library code never prints; this module is a script (`python -m rwkvx_cli.tools.gpu_check`).
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]  # the checkout (rwkvx_cli/tools/ is two below it)
 TRAIN_CONFIG = ROOT / "configs" / "gpu-0.1b.yaml"
 BENCH_SHAPE = "8,4096,64,64"
 TRAIN_STEPS = 200
@@ -90,7 +90,7 @@ def step_gradcheck(device: str, ops: list[str], args) -> Step:
     with tempfile.TemporaryDirectory() as tmp:
         for op in ops:
             out = Path(tmp) / f"{op}.json"
-            cmd = _py("-m", "rwkvx_cli.gpu_check", "--worker", "gradcheck", "--op", op, "--device", device)
+            cmd = _py("-m", "rwkvx_cli.tools.gpu_check", "--worker", "gradcheck", "--op", op, "--device", device)
             _run(step, [*cmd, "--json", str(out)], LIMITS["gradcheck"], _env())
             if out.exists():
                 result = json.loads(out.read_text())
@@ -168,12 +168,13 @@ def step_train(device: str, quick: bool) -> Step:
             overrides += ["model.n_layer=1", "model.n_embd=64", f"train.ctx_len={ctx}", f"train.micro_batch={batch}"]
             overrides += ["train.eval_tokens=256", "train.warmup_tokens=0"]
         from rwkvx_cli.config import load_config
+        from rwkvx_cli.runs.layout import metrics_path
 
         cfg = load_config(TRAIN_CONFIG, overrides)
         tokens = steps * cfg.train.ctx_len * cfg.train.micro_batch * cfg.train.grad_accum
         overrides.append(f"train.tokens={tokens}")
         _run(step, _py("-m", "rwkvx_cli", "train", "--config", str(TRAIN_CONFIG), *overrides), LIMITS["train"], _env())
-        log = Path(tmp) / "run" / "metrics.jsonl"
+        log = metrics_path(Path(tmp) / "run")
         rows = [json.loads(line) for line in log.read_text().splitlines()] if log.exists() else []
     rows = [r for r in rows if r.get("loss") is not None]
     if not rows:
@@ -205,9 +206,9 @@ def _mfu(cfg, tokens_per_s: float, device: str) -> float | None:
     """MFU as `rwkvx bench --model` computes it: train FLOPs per token x tokens/s / matmul peak."""
     import torch
 
-    from rwkvx_cli.bench import matmul_peak_gflops
     from rwkvx_cli.models import build_model
-    from rwkvx_cli.train.run import model_summary
+    from rwkvx_cli.models.summary import model_summary
+    from rwkvx_cli.runs.runtime import matmul_peak_gflops
 
     try:
         with torch.device("meta"):
@@ -238,7 +239,7 @@ def step_compile(device: str, quick: bool) -> Step:
     step = Step("compile")
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "compile.json"
-        cmd = _py("-m", "rwkvx_cli.gpu_check", "--worker", "compile", "--device", device, "--json", str(out))
+        cmd = _py("-m", "rwkvx_cli.tools.gpu_check", "--worker", "compile", "--device", device, "--json", str(out))
         # On the CPU (the test suite's quick run) the kernels run under Triton's interpreter.
         _run(step, [*cmd, *(["--quick"] if quick else [])], LIMITS["compile"], _env(interpret=device == "cpu"))
         results = json.loads(out.read_text()) if out.exists() else []
@@ -262,8 +263,8 @@ def step_compile(device: str, quick: bool) -> Step:
 def _worker_gradcheck(op: str, device: str, json_path: str) -> int:
     import torch
 
-    from rwkvx_cli.gradcheck import run_gradcheck
     from rwkvx_cli.ops import get_op
+    from rwkvx_cli.tools.gradcheck import run_gradcheck
 
     spec = get_op(op)
     dev = torch.device(device)
@@ -400,7 +401,7 @@ def markdown(report: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rwkvx_cli.gpu_check", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="python -m rwkvx_cli.tools.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's CPU run)")
     p.add_argument("--out", default="bench", help="folder for gpu.json and gpu.md")

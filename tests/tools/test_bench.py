@@ -4,6 +4,7 @@ the numbers by people, never asserted.)"""
 
 import json
 import math
+import os
 from pathlib import Path
 
 import pytest
@@ -14,8 +15,9 @@ from rwkvx_cli.cli import app
 from rwkvx_cli.config import load_config
 from rwkvx_cli.models import build_model
 from rwkvx_cli.models.gpt import GPT, GPTConfig
+from rwkvx_cli.models.losses import micro_batch_loss
 from rwkvx_cli.ops import get_op, op_names
-from rwkvx_cli.train.loop import micro_batch_loss
+from tests.train.helpers import run_cli
 
 runner = CliRunner()
 
@@ -49,8 +51,8 @@ def test_bench_usage_errors():
     for args, message in (
         (["--shape", "1,2,3"], "must be B,T,H,N"),
         (["--op", "nope"], "unknown op 'nope'"),
-        (["--mode", "both"], "--mode 'both'"),
-        (["--dtype", "int8"], "--dtype 'int8'"),
+        (["--mode", "both"], "'--mode': 'both' is not one of 'fwd', 'fwdbwd'"),
+        (["--dtype", "int8"], "'--dtype': 'int8' is not one of 'fp32', 'bf16', 'fp64'"),
         (["--op", "wkv7", "--backend", "magic"], "unknown backend 'magic'"),
     ):
         result = runner.invoke(app, ["bench", *args])
@@ -68,6 +70,25 @@ def test_bench_model(tmp_path):
     assert data["tokens_per_s"] > 0 and 0 < data["mfu_pct"] < 100
     assert abs(data["recurrence_pct"] + data["matmul_pct"] + data["other_pct"] - 100) < 1e-6
     assert data["recurrence_pct"] > 0 and data["matmul_pct"] > 0
+
+
+def test_bench_model_keeps_the_profilers_chatter_off_the_terminal(tmp_path):
+    """torch.profiler's C++ side writes STAGE:/USDT: lines to file descriptor 2 (a process is needed to
+    see them: the runner only swaps sys.stderr); a warning written meanwhile still comes through."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 1, n_embd: 32, head_size: 32}\ntrain: {ctx_len: 16, micro_batch: 1}\n")
+    proc = run_cli("bench", "--model", str(cfg), "--steps", "1")
+    assert proc.returncode == 0, proc.stderr
+    assert "tokens/s" in proc.stdout
+    assert "USDT:" not in proc.stderr and "STAGE:" not in proc.stderr, proc.stderr
+
+
+def test_profiler_quiet_passes_other_stderr_lines_on(capfd):
+    from rwkvx_cli.runs.runtime import profiler_quiet
+
+    with profiler_quiet():
+        os.write(2, b"USDT: profiler_start\nkept line\nSTAGE: done\n")
+    assert capfd.readouterr().err == "kept line\n"
 
 
 def test_bench_model_memory_follows_grad_cp_and_the_head(tmp_path):
@@ -103,7 +124,7 @@ def test_bench_set_needs_a_model():
 
 # --- `bench --model --vs-gpt`: the same-size GPT baseline (models/gpt.py) ---
 
-TINY = Path(__file__).resolve().parents[1] / "configs" / "tiny.yaml"
+TINY = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
 
 
 def _tiny_gpt(**sets):

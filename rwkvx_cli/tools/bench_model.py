@@ -39,13 +39,13 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.bench import matmul_peak_gflops, sync
 from rwkvx_cli.config import load_config
 from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
-from rwkvx_cli.train import precision
-from rwkvx_cli.train.loop import micro_batch_loss, uses_l2wrap
-from rwkvx_cli.train.run import model_summary
+from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
+from rwkvx_cli.models.summary import model_summary
+from rwkvx_cli.runs import runtime as rt
+from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 # Names of the ops' autograd functions (and their backward nodes) and op modules.
@@ -67,9 +67,10 @@ def bench_model(
     tc = cfg.train
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
-    mode = precision.resolve(tc.precision, device)
-    precision.set_matmul_precision(mode)
-    l2wrap = uses_l2wrap(cfg, model)
+    runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
+    runtime.apply()
+    mode = runtime.precision
+    l2wrap = uses_l2wrap(tc.l2wrap, model.kinds)
     opt = torch.optim.AdamW(parameter_groups(model, tc.lr, tc.weight_decay), lr=tc.lr)
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
@@ -99,7 +100,7 @@ def bench_model(
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
-    with torch.profiler.profile(activities=activities) as prof:
+    with profiler_quiet(), torch.profiler.profile(activities=activities) as prof:
         step()
         sync(device)
     use_cuda = device.type == "cuda"
@@ -171,7 +172,7 @@ def _train_step(
     forward = torch.compile(model) if compile else model
 
     def step():
-        with precision.autocast(mode, device):
+        with rt.autocast(mode, device):
             loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
         loss.backward()
         opt.step()
@@ -208,7 +209,8 @@ def step_memory(step, model: torch.nn.Module, device: torch.device) -> dict:
         sync(device)
         peak = (torch.cuda.max_memory_allocated(device) - start) / 2**20
     else:
-        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        cpu = [torch.profiler.ProfilerActivity.CPU]
+        with profiler_quiet(), torch.profiler.profile(activities=cpu, profile_memory=True) as prof:
             step()
         peak = cpu_peak_bytes(prof.events()) / 2**20
     return {"peak_mb": peak, "grads_mb": grads, "activation_mb": max(peak - grads, 0.0)}

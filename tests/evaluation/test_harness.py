@@ -15,7 +15,8 @@ from rwkvx_cli.data.tokenizer import ByteTokenizer
 from rwkvx_cli.evaluation.scoring import greedy_until, score_continuations
 from rwkvx_cli.models import LM
 from rwkvx_cli.models.generate import generate
-from rwkvx_cli.train import checkpoint as ck
+from rwkvx_cli.runs import store as ck
+from rwkvx_cli.runs.weights import load_into
 
 lm_eval = pytest.importorskip("lm_eval")
 
@@ -120,7 +121,7 @@ def run(tmp_path_factory):
     args += ["model.head_size=32", "train.ctx_len=32", "train.device=cpu"]
     result = runner.invoke(app, ["init", *args])
     assert result.exit_code == 0, result.output
-    step0 = ck.resolve_checkpoint(run_dir)
+    step0, _ = ck.resolve_checkpoint(run_dir)
     meta = ck.read_meta(step0)
     weights = ck.load_weights(step0)
     gen = torch.Generator().manual_seed(0)
@@ -146,10 +147,10 @@ def run(tmp_path_factory):
 
 
 def load_model(run_dir):
-    path = ck.resolve_checkpoint(run_dir)
+    path, _ = ck.resolve_checkpoint(run_dir)
     cfg = config_from_dict(ck.read_meta(path)["config"])
     model = LM(cfg.model)
-    ck.load_into(model, ck.load_weights(path), str(path))
+    load_into(model, ck.load_weights(path), str(path))
     return model.eval()
 
 

@@ -1,0 +1,94 @@
+"""Validation loss, perplexity and bits per byte: training's periodic validation, and `rwkvx eval`
+of a checkpoint (with an optional sample of generated text)."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rwkvx_cli.data.sampler import sequential_windows
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.models import LM
+from rwkvx_cli.models.generate import generate
+from rwkvx_cli.runs import open_checkpoint
+from rwkvx_cli.runs.data import open_data
+from rwkvx_cli.runs.runtime import Runtime
+
+
+@torch.no_grad()
+def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, tokenizer, runtime: Runtime) -> dict:
+    """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
+    bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
+    on `runtime`'s device under its precision, as training does."""
+    model.eval()
+    total, count = 0.0, 0
+    xs, ys = [], []
+
+    def flush():
+        nonlocal total, count
+        x, y = torch.stack(xs).to(runtime.device), torch.stack(ys).to(runtime.device)
+        with runtime.autocast():
+            loss, _ = model.loss(x, y)
+        total += loss.item() * y.numel()
+        count += y.numel()
+        xs.clear()
+        ys.clear()
+
+    for x, y in sequential_windows(tokens, ctx_len):
+        if xs and x.shape[1] != xs[0].shape[0]:
+            flush()  # the last window is shorter: its own batch
+        xs.append(x[0])
+        ys.append(y[0])
+        if len(xs) == batch:
+            flush()
+        if count + len(xs) * ctx_len >= max_tokens:
+            break
+    if xs:
+        flush()
+    model.train()
+    loss = total / max(count, 1)
+    n_bytes = len(tokenizer.decode(np.asarray(tokens[1 : count + 1]).tolist()).encode("utf-8"))
+    return {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)),
+        "bpb": total / math.log(2) / max(n_bytes, 1),
+        "tokens": count,
+    }
+
+
+def eval_checkpoint(
+    checkpoint: Path,
+    data_dir: Path | None = None,
+    *,
+    prompt: str | None = None,
+    n_tokens: int = 200,
+    temperature: float = 1.0,
+    top_p: float = 0.85,
+    seed: int = 0,
+    on_skip: Callable[[Path, str], None] | None = None,
+) -> dict:
+    """`rwkvx eval`: the validation figures of a checkpoint (a checkpoint dir, or a run dir: its
+    newest good one) on its run's validation split (or `data_dir`'s), under the run's train.precision
+    (fp32 where this device cannot run it); with `prompt`, also a sampled continuation."""
+    if prompt is not None:
+        try:
+            prompt.encode("utf-8")
+        except UnicodeEncodeError:
+            raise UsageError("--generate: the prompt is not valid UTF-8 text") from None
+    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
+    cfg, t = opened.config, opened.config.train
+    val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
+    start = time.perf_counter()
+    ev = evaluate(opened.model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
+    ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
+    ev["step"] = opened.step
+    ev["checkpoint"] = str(opened.checkpoint.path)
+    if prompt is not None:
+        ids = generate(opened.model, opened.tokenizer.encode(prompt), n_tokens, temperature, top_p, seed)
+        ev["sample"] = prompt + opened.tokenizer.decode(ids)
+    return ev

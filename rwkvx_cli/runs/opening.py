@@ -1,0 +1,97 @@
+"""Opening a run or a checkpoint for use: the one loader of every command that reads a model
+(`eval`, `eval --tasks`, `explain`, `export`).
+
+    find_checkpoint(path)   the checkpoint a path names (a checkpoint directory, or a run directory or
+                            checkpoints folder: its newest good one), its verified meta.json and config;
+                            nothing large is read
+    open_checkpoint(path)   that, plus the run's tokenizer, the Runtime (device and precision, resolved
+                            once), and the model with its weights on the device, in eval mode
+
+Training opens its own run through the same pieces: the store (runs/store.py) for resume, the
+weights loader (runs/weights.py) for train.init_from, the tokenizer rule (runs/tokenizers.py).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from rwkvx_cli.config import Config, config_from_dict
+from rwkvx_cli.models import LM
+from rwkvx_cli.runs import store
+from rwkvx_cli.runs.layout import run_dir_of
+from rwkvx_cli.runs.memory import check_model
+from rwkvx_cli.runs.runtime import Runtime, resolve
+from rwkvx_cli.runs.tokenizers import run_tokenizer
+from rwkvx_cli.runs.weights import load_into
+
+OnSkip = Callable[[Path, str], None]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    path: Path  # the checkpoint directory (<run>/checkpoints/step_...)
+    meta: dict  # its meta.json, checked against every file's checksum
+    config: Config  # the run's config, as it trained
+
+    @property
+    def step(self) -> int:
+        return self.meta["step"]
+
+    @property
+    def run_dir(self) -> Path:
+        return run_dir_of(self.path)
+
+
+@dataclass
+class Opened:
+    """A checkpoint ready to use: `model` on `runtime.device`, in eval mode."""
+
+    model: LM
+    tokenizer: object
+    runtime: Runtime
+    checkpoint: Checkpoint
+
+    @property
+    def config(self) -> Config:
+        return self.checkpoint.config
+
+    @property
+    def step(self) -> int:
+        return self.checkpoint.step
+
+
+def find_checkpoint(path: Path | str, on_skip: OnSkip | None = None) -> Checkpoint:
+    """The checkpoint `path` names; `on_skip(path, reason)` hears of each damaged newer checkpoint
+    of a run passed over for an older one."""
+    found, meta = store.resolve_checkpoint(Path(path), on_skip)
+    return Checkpoint(found, meta, config_from_dict(meta["config"]))
+
+
+def open_checkpoint(
+    path: Path | str,
+    *,
+    device: str | None = None,
+    precision: str | None = None,
+    data_dir: Path | None = None,
+    on_skip: OnSkip | None = None,
+    check: Callable[[Config], None] | None = None,
+) -> Opened:
+    """Open a checkpoint for evaluation or inference. `device` / `precision`: as train.device /
+    train.precision (None: the run's own settings), with what this machine lacks falling back to
+    the CPU and fp32. `data_dir`: where the run's tokenizer.json is (None: the run's data, as
+    training found it). `check(config)` may refuse the model before any weights are read."""
+    ckpt = find_checkpoint(path, on_skip)
+    cfg = ckpt.config
+    if check is not None:
+        check(cfg)
+    tokenizer = run_tokenizer(cfg, ckpt.run_dir, data_dir)
+    runtime = resolve(device or cfg.train.device, precision or cfg.train.precision, fallback=True)
+    runtime.apply()
+    check_model(cfg.model, runtime.device)  # a forged meta.json can ask for any size
+    model = LM(cfg.model)
+    load_into(model, store.load_weights(ckpt.path), str(ckpt.path))
+    model.to(runtime.device)
+    model.eval()
+    return Opened(model, tokenizer, runtime, ckpt)
