@@ -32,12 +32,11 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
+Version = Annotated[bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version.")]
+
+
 @app.callback()
-def _root(
-    version: Annotated[
-        bool, typer.Option("--version", callback=_version, is_eager=True, help="Print the version and exit.")
-    ] = False,
-) -> None:
+def _root(version: Version = False):
     pass
 
 
@@ -45,6 +44,7 @@ def _warn_skipped(path: Path, reason: str) -> None:
     warning(f"skipping damaged checkpoint {path.name}: {reason}")
 
 
+Names = list[str] | None  # a repeatable option
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")]
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")]
 
@@ -53,10 +53,7 @@ CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="Checkpoint di
 @reports_errors
 def gradcheck(
     op: Annotated[str, typer.Option("--op", help="Operator to check (see the op registry), or all.")],
-    backend: Annotated[
-        list[str] | None,
-        typer.Option("--backend", help="Backend to check; repeatable. Default: every production backend."),
-    ] = None,
+    backend: Annotated[Names, typer.Option("--backend", help="Repeatable. Default: every production backend.")] = None,
     seed: Annotated[int, typer.Option(min=0, max=2**53, help="Seed of the sampled inputs and cotangents.")] = 0,
     size: Annotated[int, typer.Option(min=1, help="Multiply the sequence length of gate A's cases.")] = 1,
     json_path: JsonOpt = None,
@@ -74,9 +71,7 @@ def gradcheck(
 
 
 ConfigOpt = Annotated[Path | None, typer.Option("--config", "-c", help="YAML run configuration.")]
-Overrides = Annotated[
-    list[str] | None, typer.Argument(help="Dotted overrides, e.g. train.lr=3e-4 model.n_layer=6.", show_default=False)
-]
+Overrides = Annotated[Names, typer.Argument(help="Dotted overrides, e.g. train.lr=3e-4 model.n_layer=6.")]
 
 
 @app.command()
@@ -84,9 +79,7 @@ Overrides = Annotated[
 def init(
     config: ConfigOpt = None,
     overrides: Overrides = None,
-    out_dir: Annotated[
-        Path | None, typer.Option("--out", help="Run directory (default: run_dir of the config).")
-    ] = None,
+    out_dir: Annotated[Path | None, typer.Option("--out", help="Run directory (default: the config's).")] = None,
 ) -> None:
     """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer)."""
     from rwkvx_cli.config import load_config
@@ -234,33 +227,37 @@ def export(
 
     info = export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=_warn_skipped, force=force)
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})", markup=False)
+
+
 BenchDevice = choices("BenchDevice", "auto", "cpu", "cuda")
 BenchDtype = choices("BenchDtype", "fp32", "bf16", "fp64")
 BenchMode = choices("BenchMode", "fwd", "fwdbwd")
+OpNames = Annotated[Names, typer.Option("--op", help="Op to bench; repeatable. Default: every op.")]
+Backends = Annotated[Names, typer.Option("--backend", help="Backend; repeatable. Default: production + baseline.")]
+Shapes = Annotated[Names, typer.Option("--shape", help="B,T,H,N; repeatable. Default: the op's set.")]
+Modes = Annotated[list[BenchMode] | None, typer.Option("--mode", help="Repeatable (default fwdbwd).")]
+Baseline = Annotated[str, typer.Option(help="Backend the speedup column divides by.")]
+# bench --model CFG: training steps of a config
+ModelCfg = Annotated[Path | None, typer.Option("--model", help="Bench training steps of this config instead.")]
+Steps = Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")]
+Sets = Annotated[Names, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")]
+VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
 
 
 @app.command()
 @reports_errors
 def bench(
-    op: Annotated[list[str] | None, typer.Option("--op", help="Op to bench; repeatable. Default: every op.")] = None,
-    backend: Annotated[
-        list[str] | None, typer.Option("--backend", help="Backend; repeatable. Default: production + baseline.")
-    ] = None,
-    shape: Annotated[
-        list[str] | None, typer.Option("--shape", help="B,T,H,N; repeatable. Default: the op's set.")
-    ] = None,
+    op: OpNames = None,
+    backend: Backends = None,
+    shape: Shapes = None,
     dtype: BenchDtype = BenchDtype["fp32"],
-    mode: Annotated[list[BenchMode] | None, typer.Option("--mode", help="Repeatable (default fwdbwd).")] = None,
-    baseline: Annotated[str, typer.Option(help="Backend the speedup column divides by.")] = "reference",
+    mode: Modes = None,
+    baseline: Baseline = "reference",
     device: BenchDevice = BenchDevice["auto"],
-    model: Annotated[Path | None, typer.Option("--model", help="Bench training steps of this config instead.")] = None,
-    steps: Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")] = 5,
-    override: Annotated[
-        list[str] | None, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")
-    ] = None,
-    vs_gpt: Annotated[
-        bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT, interleaved; report the ratio.")
-    ] = False,
+    model: ModelCfg = None,
+    steps: Steps = 5,
+    override: Sets = None,
+    vs_gpt: VsGpt = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
