@@ -6,9 +6,6 @@ from __future__ import annotations
 from rwkvx_cli.models.model import LM
 from rwkvx_cli.ops import get_op
 
-# One letter per block in the model summary.
-BLOCK_LETTERS = {"rwkv7": "R", "moba": "A", "rwkv4": "4", "gdn": "G", "kda": "K", "rwkv8": "8"}
-
 
 def model_summary(model: LM) -> dict:
     """Parameter counts per component, forward FLOPs per token, recurrent state size."""
@@ -44,5 +41,5 @@ def model_summary(model: LM) -> dict:
         "forward_flops_per_token": int(2 * matmul + fwd),
         "train_flops_per_token": int(6 * matmul + bwd),
         "state_bytes_per_sequence_fp32": 4 * state_floats,
-        "blocks": "".join(BLOCK_LETTERS[k] for k in model.kinds),
+        "blocks": "".join(blk.att.letter for blk in model.blocks),
     }

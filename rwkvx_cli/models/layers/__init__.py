@@ -12,7 +12,10 @@ Every time mix maps [B, T, C] -> [B, T, C] behind the same interface, so one
 - `empty_state(B, device)`: the zero state (None for MoBA);
 - `reset_parameters(gen, layer, n_layer)`: its seeded init, at depth `layer` of
   `n_layer` (docs/model.md#initialisation);
-- `op_dims()`, for the recurrent ones: the op and its dims for one token (FLOP counts).
+- `op_dims()`, for the recurrent ones: the op and its dims for one token (FLOP counts);
+- `letter`: the kind's letter in the model summary's block string (`rwkvx init`).
+
+Adding a kind: docs/extending.md.
 """
 
 from rwkvx_cli.models.layers.common import (

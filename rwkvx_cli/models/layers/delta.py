@@ -96,6 +96,8 @@ class DeltaMix(nn.Module):
 class GatedDeltaNet(DeltaMix):
     """Kind `gdn`: one log-gate per head, a SiLU output gate."""
 
+    letter = "G"  # its letter in the model summary's block string
+
     def __init__(self, C: int, head_size: int):
         super().__init__(C, head_size, per_channel=False)
 
@@ -106,6 +108,8 @@ class GatedDeltaNet(DeltaMix):
 
 class KimiDeltaAttention(DeltaMix):
     """Kind `kda`: a log-gate per key channel and a sigmoid output gate, both rank-N projections."""
+
+    letter = "K"  # its letter in the model summary's block string
 
     def __init__(self, C: int, head_size: int):
         super().__init__(C, head_size, per_channel=True)

@@ -13,6 +13,8 @@ from rwkvx_cli.ops.moba import moba
 
 
 class MobaAttention(nn.Module):
+    letter = "A"  # its letter in the model summary's block string
+
     def __init__(self, C: int, head_size: int, chunk: int, top_k: int):
         super().__init__()
         self.n_head, self.head_size, self.chunk, self.top_k = C // head_size, head_size, chunk, top_k

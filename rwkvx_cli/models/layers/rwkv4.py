@@ -17,6 +17,8 @@ class RWKV4TimeMix(nn.Module):
     out = (r * wkv4(k, v)) W_o, with decay w = -exp(time_decay) and bonus u = time_first
     per channel."""
 
+    letter = "4"  # its letter in the model summary's block string
+
     def __init__(self, C: int, head_size: int):
         super().__init__()
         self.n_head, self.head_size = C // head_size, head_size

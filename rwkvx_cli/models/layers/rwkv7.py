@@ -27,6 +27,8 @@ class RWKV7TimeMix(nn.Module):
     The first RWKV-7 layer (layer_id 0) sets `v_first`; later ones mix it into their values
     (the first keeps frozen, unused v0, v1, v2)."""
 
+    letter = "R"  # its letter in the model summary's block string
+
     def __init__(self, C: int, head_size: int, layer_id: int):
         super().__init__()
         self.layer_id, self.head_size, self.n_head = layer_id, head_size, C // head_size

@@ -19,6 +19,8 @@ class RWKV8Mix(nn.Module):
     head per query head, a learned decay d = sigmoid(decay_logit) in (0, 1) per head
     and latent channel; heads are group-normed and projected back to C."""
 
+    letter = "8"  # its letter in the model summary's block string
+
     def __init__(self, C: int, head_size: int, shared_value: bool):
         super().__init__()
         self.n_head, self.head_size, self.shared_value = C // head_size, head_size, shared_value
