@@ -59,6 +59,10 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             err.print("[bold red]aborted[/]")
             sys.exit(1)
+        if code == 130 and signals.was_terminated():  # SIGTERM while typer parsed: it says 130
+            signals.ignore_stop_signals()
+            err.print("[bold red]terminated[/]")
+            sys.exit(143)
         sys.exit(code if isinstance(code, int) else 0)
 
 

@@ -15,8 +15,19 @@ class Terminated(KeyboardInterrupt):
     """SIGTERM, raised like Ctrl-C so that a command unwinds and says so (exit 143)."""
 
 
+_terminated = False  # a SIGTERM was raised as Terminated in this process
+
+
 def _raise_terminated(signum, frame) -> None:
+    global _terminated
+    _terminated = True
     raise Terminated
+
+
+def was_terminated() -> bool:
+    """Whether SIGTERM unwound this process (typer turns any KeyboardInterrupt it meets while
+    parsing into exit 130; the command line reports such a one as terminated, 143)."""
+    return _terminated
 
 
 def install_process_handlers() -> None:
