@@ -1,0 +1,1 @@
+"""Runs: layouts, checkpoints and the formats models move in and out in."""
