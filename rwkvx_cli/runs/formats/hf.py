@@ -133,20 +133,20 @@ def from_hf_rules(shapes: Mapping[str, Shape], tied: bool = False) -> list[Rule]
 
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
-_ORDER = {
-    k: i
-    for i, k in enumerate(["emb.weight", *(f"B{n}" for n in _BLOCK), "ln_out.weight", "ln_out.bias", "head.weight"])
-}
+# rwkvx's parameter order inside an RWKV-7 block (its module order), for state dicts read back.
+_ONE_BLOCK = sz.Sizes("rwkvx", 1, 64, 64, ["rwkv7"], sz.LoraRanks(32, 32, 32, 32), 256)
+_ORDER = {k.split(".", 2)[2]: i for i, k in enumerate(sz.expected_shapes(_ONE_BLOCK)) if k.startswith("blocks.0.")}
+_TOP_ORDER = {"emb.weight": (0, 0), "ln_out.weight": (2, 0), "ln_out.bias": (2, 1), "head.weight": (2, 2)}
 
 
 def _in_model_order(rules: list[Rule]) -> list[Rule]:
-    """rwkvx's state-dict order (embedding, blocks bottom to top in module order, ln_out, head)."""
+    """rwkvx's state-dict order: embedding, blocks bottom to top in module order, ln_out, head."""
 
     def key(r: Rule):
         m = sz._BLOCK.fullmatch(r.dst)
         if m:
-            return (1, int(m.group(1)), _ORDER.get(f"B{m.group(2)}", 999))
-        return (0 if r.dst == "emb.weight" else 2, 0, _ORDER.get(r.dst, 999))
+            return (1, int(m.group(1)), _ORDER.get(m.group(2), len(_ORDER)))
+        return (*_TOP_ORDER.get(r.dst, (3, 0)), 0)
 
     return sorted(rules, key=key)
 

@@ -307,6 +307,8 @@ def config_from_sizes(sizes: Sizes, cfg: ModelConfig | None = None, written: Col
 
 def _differs(cfg: ModelConfig, key: str, value, sizes: Sizes) -> bool:
     if key == "layers":  # any spelling of the same stack agrees ("rwkv7*2,moba", or the rule's)
+        if not cfg.layers:  # not given: n_layer and n_attn say the stack
+            return False
         try:
             mine = layer_kinds(dataclasses.replace(cfg, layers=expand_layers(cfg.layers)))
         except ConfigError:
