@@ -293,3 +293,16 @@ def test_open_any_reads_every_layout(rwkv7_cfg, hybrid_cfg, tmp_path):
         assert (sizes.layout, sizes.kinds) == (layout, kinds), path
         got = materialize(source)
         assert all(torch.equal(got[n], want[n]) for n in want if n not in UNUSED), path
+
+
+def test_bench_convert_measures_each_conversion(tmp_path):
+    from rwkvx_cli.runs.formats import sizes as sz
+    from rwkvx_cli.runs.formats.bench_convert import run_benchmark
+
+    tiny = sz.Sizes("rwkvx", 97, 64, 64, ["rwkv7"] * 2, sz.LoraRanks(32, 32, 32, 32), 256)
+    result = run_benchmark(tmp_path, sizes=tiny)
+    assert set(result["runs"]) == {"rwkvx->hf", "hf->rwkvx", "rwkvx->rwkv-x"}
+    assert result["parameters"] == sum(torch.Size(s).numel() for s in sz.expected_shapes(tiny).values())
+    for r in result["runs"].values():
+        assert r["peak_rss"] >= r["baseline_rss"] > 0
+    assert list(tmp_path.iterdir()) == []  # everything it wrote is gone

@@ -15,8 +15,8 @@ from rwkvx_cli.runs.formats.sizes import expected_shapes, sizes_of_config
 from rwkvx_cli.runs.formats.tensors import op_shape
 from tests.runs.formats.conftest import shapes
 
-# (name, n_layer, n_embd, LoRA ranks w, a, v, g) of the released RWKV-7 World models (the HF
-# configs of fla-hub / RWKV give the ranks); vocab 65536, head size 64.
+# (name, n_layer, n_embd, LoRA ranks w, a, v, g) of the released RWKV-7 World models, as their HF
+# configs state them (quoted in public code; the weights cannot be downloaded here); vocab 65536, head size 64.
 RELEASED = [
     ("0.1B", 12, 768, (64, 64, 32, 128)),
     ("0.4B", 24, 1024, (64, 64, 32, 128)),
