@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.fsio import fsync_path
 from rwkvx_cli.runs.formats import sizes as sz
 from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
 from rwkvx_cli.runs.formats.tensors import (
@@ -339,6 +340,7 @@ def export_hf(
         write_json(tmp / "generation_config.json", generation_config(eod))
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")
+            fsync_path(tmp / name)
     dropped = [n for n in source.names() if hf_name(n) is None]
     return {
         "out": str(out),

@@ -283,7 +283,14 @@ def test_open_any_reads_every_layout(rwkv7_cfg, hybrid_cfg, tmp_path):
     from safetensors.torch import save_file
 
     save_file(hyb, tmp_path / "rwkvx.safetensors")
+    from rwkvx_cli.config import Config, config_to_dict
+    from rwkvx_cli.train.checkpoint import save_checkpoint
+
+    save_checkpoint(
+        tmp_path / "run" / "checkpoints", 5, hyb, None, {"config": config_to_dict(Config(model=hybrid_cfg))}, 3
+    )
     for path, layout, kinds, want in (
+        ("run", "rwkvx", ["rwkv7", "rwkv7", "moba"] * 2, hyb),
         ("rwkv-lm.pth", "rwkv-lm", ["rwkv7"] * 2, sd),
         ("hf", "hf", ["rwkv7"] * 2, sd),
         ("x.pth", "rwkv-x", ["rwkv7", "rwkv7", "moba"] * 2, hyb),
