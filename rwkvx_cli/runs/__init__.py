@@ -10,6 +10,7 @@
     lock        one writer per run directory
     opening     open_checkpoint: the one loader of eval, explain and export
     export      a checkpoint written for other tools
+    formats     the HF (fla) and RWKV-X layouts, size inference from tensors, the upcycle plan
 """
 
 from rwkvx_cli.runs.opening import Checkpoint, Opened, find_checkpoint, open_checkpoint

@@ -1,0 +1,77 @@
+"""Models in and out: rwkvx state dicts to and from the HF (fla) RWKV-7 layout and RWKV-X's
+layout, size inference from tensor shapes alone (those two, RWKV-LM `.pth` and rwkvx), the
+upcycle plan from RWKV-7 to a hybrid, and streaming, atomic writers (docs/formats.md).
+
+Every conversion is a list of renaming rules applied lazily to a `TensorSource`, so a checkpoint
+is read and written one tensor at a time.
+"""
+
+from rwkvx_cli.runs.formats.errors import FormatError, OutputExistsError, SizeMismatchError
+from rwkvx_cli.runs.formats.hf import export_hf, from_hf, hf_config, load_hf, open_hf, to_hf
+from rwkvx_cli.runs.formats.rwkv_x import (
+    export_rwkv_x,
+    from_rwkv_x,
+    moba_topk_from_rwkv_x,
+    moba_topk_to_rwkv_x,
+    open_rwkv_x,
+    rwkv_x_args,
+    to_rwkv_x,
+)
+from rwkvx_cli.runs.formats.sizes import LoraRanks, Sizes, config_from_sizes, detect_layout, infer_sizes
+from rwkvx_cli.runs.formats.tensors import TensorSource, materialize, open_tensors
+from rwkvx_cli.runs.formats.upcycle import PlanRow, apply_plan, plan_table, upcycle_plan
+
+
+def open_any(path) -> tuple[TensorSource, Sizes]:
+    """Weights from any supported layout at `path`, lazily, under rwkvx's names, with their sizes:
+    an HF directory, an RWKV-X or RWKV-LM `.pth`, an rwkvx checkpoint or run directory, or a
+    `.safetensors` file of rwkvx names (what `rwkvx init --from` and `train.init_from` read)."""
+    from pathlib import Path
+
+    path = Path(path)
+    if path.is_dir() and (path / "config.json").is_file():
+        return open_hf(path)
+    base = open_tensors(path)
+    layout = detect_layout(base.names())
+    if layout == "rwkv-x":
+        base.close()
+        return open_rwkv_x(path)
+    if layout == "hf":
+        from rwkvx_cli.runs.formats.hf import from_hf_rules
+        from rwkvx_cli.runs.formats.tensors import MappedSource
+
+        base = MappedSource(base, from_hf_rules(base.shapes()))
+    return base, infer_sizes(base.shapes())
+
+
+__all__ = [
+    "FormatError",
+    "LoraRanks",
+    "OutputExistsError",
+    "PlanRow",
+    "SizeMismatchError",
+    "Sizes",
+    "TensorSource",
+    "apply_plan",
+    "config_from_sizes",
+    "detect_layout",
+    "export_hf",
+    "export_rwkv_x",
+    "from_hf",
+    "from_rwkv_x",
+    "hf_config",
+    "infer_sizes",
+    "load_hf",
+    "materialize",
+    "moba_topk_from_rwkv_x",
+    "moba_topk_to_rwkv_x",
+    "open_any",
+    "open_hf",
+    "open_rwkv_x",
+    "open_tensors",
+    "plan_table",
+    "rwkv_x_args",
+    "to_hf",
+    "to_rwkv_x",
+    "upcycle_plan",
+]

@@ -1,0 +1,384 @@
+"""Named tensors read one at a time, so that converting a checkpoint never holds two copies of it.
+
+A `TensorSource` gives names, shapes and dtypes without reading any data, and each tensor on
+request. The readers:
+
+- `SafetensorsFiles`: one or more .safetensors files (an HF shard set, an rwkvx checkpoint's
+  model.safetensors), memory-mapped. The header is parsed here and each tensor is a zero-copy
+  view of the mapping; `release(name)` drops its pages from this process's memory afterwards.
+  safetensors' `safe_open` copies every tensor it returns and keeps the touched pages mapped,
+  so a whole state dict through it costs the file's size twice; the tests check this reader
+  against `safe_open` tensor by tensor.
+- `PthSource`: a .pth/.pt state dict through `torch.load(weights_only=True, mmap=True)` (never
+  unpickling code); files from before torch's zip format cannot be mapped and load whole.
+- `DictSource`: tensors already in memory.
+
+`MappedSource` renames and reshapes another source lazily (`Rule`s), which is what every format
+conversion here is.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import struct
+import warnings
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from rwkvx_cli.runs.formats.errors import FormatError
+
+# safetensors' dtype names (the format's spec) and torch's.
+ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+}
+ST_NAMES = {v: k for k, v in ST_DTYPES.items()}
+
+Shape = tuple[int, ...]
+
+
+class TensorSource:
+    """Names in order, shape and dtype of each (no data read), and the tensor itself on request.
+    A returned tensor may be a read-only view of a mapped file: copy it before writing into it."""
+
+    def names(self) -> list[str]:
+        raise NotImplementedError
+
+    def shape(self, name: str) -> Shape:
+        raise NotImplementedError
+
+    def dtype(self, name: str) -> torch.dtype:
+        raise NotImplementedError
+
+    def get(self, name: str) -> torch.Tensor:
+        raise NotImplementedError
+
+    def release(self, name: str) -> None:
+        """The caller is done with `name`: a mapped reader may drop its pages (the data stays on disk)."""
+
+    def close(self) -> None:
+        pass
+
+    def shapes(self) -> dict[str, Shape]:
+        return {n: self.shape(n) for n in self.names()}
+
+    def nbytes(self, name: str) -> int:
+        n = 1
+        for d in self.shape(name):
+            n *= d
+        return n * torch.empty((), dtype=self.dtype(name)).element_size()
+
+    def __contains__(self, name: str) -> bool:
+        return name in set(self.names())
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+class DictSource(TensorSource):
+    def __init__(self, tensors: Mapping[str, torch.Tensor]):
+        self._t = dict(tensors)
+
+    def names(self) -> list[str]:
+        return list(self._t)
+
+    def shape(self, name: str) -> Shape:
+        return tuple(self._t[name].shape)
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._t[name].dtype
+
+    def get(self, name: str) -> torch.Tensor:
+        return self._t[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._t
+
+
+@dataclass(frozen=True)
+class _Entry:
+    file: int
+    dtype: torch.dtype
+    shape: Shape
+    begin: int  # absolute byte offset in the file
+    end: int
+
+
+def read_safetensors_header(path: Path) -> tuple[dict, int]:
+    """(header dict, byte offset where the data starts) of a .safetensors file."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise FormatError(f"{path} is not a safetensors file (shorter than its header)")
+            (n,) = struct.unpack("<Q", head)
+            size = os.fstat(f.fileno()).st_size
+            if n > min(size - 8, 100 << 20):
+                raise FormatError(f"{path} is not a safetensors file (header length {n})")
+            header = json.loads(f.read(n))
+    except OSError as e:
+        raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
+    except (ValueError, UnicodeDecodeError):
+        raise FormatError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    if not isinstance(header, dict):
+        raise FormatError(f"{path} is not a safetensors file (its header is not an object)")
+    return header, 8 + n
+
+
+class SafetensorsFiles(TensorSource):
+    def __init__(self, paths: Iterable[Path]):
+        self.paths = [Path(p) for p in paths]
+        self._maps: list[mmap.mmap | None] = []
+        self._files = []
+        self._entries: dict[str, _Entry] = {}
+        self.metadata: dict[str, str] = {}
+        for i, path in enumerate(self.paths):
+            header, start = read_safetensors_header(path)
+            size = path.stat().st_size
+            self.metadata.update(header.pop("__metadata__", None) or {})
+            for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
+                try:
+                    dtype = ST_DTYPES[info["dtype"]]
+                    shape = tuple(int(d) for d in info["shape"])
+                    b, e = (int(x) for x in info["data_offsets"])
+                except (KeyError, TypeError, ValueError):
+                    raise FormatError(f"{path}: tensor {name!r} has an unreadable or unsupported entry") from None
+                if name in self._entries:
+                    raise FormatError(f"tensor {name!r} is in both {self.paths[self._entries[name].file]} and {path}")
+                entry = _Entry(i, dtype, shape, start + b, start + e)
+                if entry.end > size or entry.end - entry.begin != _numel(shape) * _itemsize(dtype):
+                    raise FormatError(f"{path}: tensor {name!r} does not fit its shape or the file (truncated?)")
+                self._entries[name] = entry
+            self._maps.append(None)
+            self._files.append(None)
+
+    def names(self) -> list[str]:
+        return list(self._entries)
+
+    def shape(self, name: str) -> Shape:
+        return self._entries[name].shape
+
+    def dtype(self, name: str) -> torch.dtype:
+        return self._entries[name].dtype
+
+    def __contains__(self, name: str) -> bool:
+        return name in self._entries
+
+    def _map(self, i: int) -> mmap.mmap:
+        if self._maps[i] is None:
+            f = open(self.paths[i], "rb")
+            self._files[i] = f
+            # A private mapping is writable (torch.frombuffer wants that) and never writes back.
+            self._maps[i] = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+        return self._maps[i]
+
+    def get(self, name: str) -> torch.Tensor:
+        e = self._entries[name]
+        n = _numel(e.shape)
+        if n == 0:
+            return torch.empty(e.shape, dtype=e.dtype)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            flat = torch.frombuffer(self._map(e.file), dtype=e.dtype, count=n, offset=e.begin)
+        return flat.view(e.shape)
+
+    def release(self, name: str) -> None:
+        e = self._entries[name]
+        mm = self._maps[e.file]
+        if mm is None or not hasattr(mm, "madvise") or e.end == e.begin:
+            return
+        page = mmap.PAGESIZE
+        begin = e.begin - e.begin % page
+        try:
+            mm.madvise(mmap.MADV_DONTNEED, begin, e.end - begin)
+        except (OSError, ValueError):  # not every platform drops pages on request; only memory is at stake
+            pass
+
+    def close(self) -> None:
+        for i, mm in enumerate(self._maps):
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a tensor still points into it; the mapping goes with the tensor
+                    pass
+                self._files[i].close()
+        self._maps = [None] * len(self._maps)
+
+
+class PthSource(DictSource):
+    """A flat {name: tensor} .pth state dict, mapped where torch can map it."""
+
+    def __init__(self, path: Path):
+        path = Path(path)
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")
+                try:
+                    sd = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+                except RuntimeError as e:
+                    if "mmap" not in str(e):
+                        raise
+                    sd = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip format: loads whole
+        except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            if "weights_only" in str(e) or "Weights only load failed" in str(e):
+                first = "it holds Python objects besides tensors; rwkvx never unpickles code"
+            raise FormatError(f"{path} is not a weights-only state dict: {first}") from None
+        if not isinstance(sd, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
+        ):
+            raise FormatError(f"{path} does not hold a flat state dict of named tensors")
+        super().__init__(sd)
+        self.path = path
+
+
+def _numel(shape: Shape) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+# -- lazy renaming -------------------------------------------------------------------------------
+
+# How a tensor's layout changes between two formats. Each op has its inverse in INVERSE.
+OPS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "same": lambda t: t,
+    "t": lambda t: t.t(),  # a Linear's [out, in] against a plain matrix's [in, out]
+    "flat": lambda t: t.reshape(-1),  # [1, 1, C] -> [C]
+    "unflat": lambda t: t.reshape(1, 1, -1),  # [C] -> [1, 1, C]
+}
+INVERSE = {"same": "same", "t": "t", "flat": "unflat", "unflat": "flat"}
+
+
+def op_shape(op: str, shape: Shape) -> Shape:
+    if op == "t":
+        if len(shape) != 2:
+            raise FormatError(f"cannot transpose a tensor of shape {list(shape)}")
+        return (shape[1], shape[0])
+    if op == "flat":
+        return (_numel(shape),)
+    if op == "unflat":
+        return (1, 1, _numel(shape))
+    return tuple(shape)
+
+
+@dataclass(frozen=True)
+class Rule:
+    """Output tensor `dst` is `op(src)`; with `src` None it is zeros of `shape` (a tensor the other
+    format lacks and the target needs)."""
+
+    dst: str
+    src: str | None
+    op: str = "same"
+    shape: Shape | None = None
+
+
+class MappedSource(TensorSource):
+    """`rules` applied lazily to `base`; `dtype` (optional) casts every floating tensor."""
+
+    def __init__(self, base: TensorSource, rules: list[Rule], dtype: torch.dtype | None = None):
+        self.base, self.rules, self.cast = base, {r.dst: r for r in rules}, dtype
+        if len(self.rules) != len(rules):
+            raise FormatError("two rules write the same tensor")
+
+    def names(self) -> list[str]:
+        return list(self.rules)
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.rules
+
+    def shape(self, name: str) -> Shape:
+        r = self.rules[name]
+        return tuple(r.shape) if r.src is None else op_shape(r.op, self.base.shape(r.src))
+
+    def dtype(self, name: str) -> torch.dtype:
+        r = self.rules[name]
+        dt = torch.float32 if r.src is None else self.base.dtype(r.src)
+        return self.cast if self.cast is not None and dt.is_floating_point else dt
+
+    def get(self, name: str) -> torch.Tensor:
+        r = self.rules[name]
+        if r.src is None:
+            return torch.zeros(r.shape, dtype=self.dtype(name))
+        t = OPS[r.op](self.base.get(r.src))
+        return t.to(self.cast) if self.cast is not None and t.is_floating_point() else t
+
+    def release(self, name: str) -> None:
+        r = self.rules[name]
+        if r.src is not None:
+            self.base.release(r.src)
+
+    def close(self) -> None:
+        self.base.close()
+
+
+def materialize(source: TensorSource) -> dict[str, torch.Tensor]:
+    """Every tensor of `source` as an independent, contiguous tensor (copied out of any mapping)."""
+    out = {}
+    for name in source.names():
+        out[name] = source.get(name).contiguous().clone()
+        source.release(name)
+    return out
+
+
+def as_source(weights: TensorSource | Mapping[str, torch.Tensor]) -> TensorSource:
+    return weights if isinstance(weights, TensorSource) else DictSource(weights)
+
+
+HF_INDEX = "model.safetensors.index.json"
+
+
+def open_tensors(path: str | os.PathLike) -> TensorSource:
+    """The tensors at `path`, lazily: an HF directory (sharded or not), an rwkvx checkpoint or run
+    directory, a .safetensors file, or a .pth/.pt state dict."""
+    path = Path(path)
+    if path.is_dir():
+        if (path / HF_INDEX).is_file():
+            return SafetensorsFiles(hf_shards(path))
+        if (path / "model.safetensors").is_file() and not (path / "meta.json").is_file():
+            return SafetensorsFiles([path / "model.safetensors"])
+        from rwkvx_cli.runs.store import resolve_checkpoint  # the store's own finder (verifies checksums)
+
+        return SafetensorsFiles([resolve_checkpoint(path)[0] / "model.safetensors"])
+    if not path.is_file():
+        raise FormatError(f"weights not found: {path}")
+    if path.suffix == ".safetensors":
+        return SafetensorsFiles([path])
+    if path.suffix in (".pth", ".pt"):
+        return PthSource(path)
+    raise FormatError(f"{path}: expected a .safetensors or .pth file, or a directory")
+
+
+def hf_shards(path: Path) -> list[Path]:
+    """The shard files an HF `model.safetensors.index.json` names, each checked to exist."""
+    index = path / HF_INDEX
+    try:
+        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        files = sorted(set(weight_map.values()))
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        raise FormatError(f"{index} is not a safetensors index (no weight_map)") from None
+    for f in files:
+        if Path(f).name != f or not (path / f).is_file():
+            raise FormatError(f"{index} names a shard {f!r} that is not in {path}")
+    return [path / f for f in files]
