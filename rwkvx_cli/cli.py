@@ -11,7 +11,7 @@ import typer
 
 from rwkvx_cli import __version__
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import write_json
+from rwkvx_cli.fsio import check_output, write_json
 from rwkvx_cli.render import OneLineErrors, err, out, reports_errors, warning
 from rwkvx_cli.train import signals
 from rwkvx_cli.train.signals import Terminated
@@ -46,6 +46,7 @@ def _warn_skipped(path: Path, reason: str) -> None:
 
 Names = list[str] | None  # a repeatable option
 JsonOpt = Annotated[Path | None, typer.Option("--json", help="Also write the numbers as JSON here.")]
+ForceOpt = Annotated[bool, typer.Option("--force", help="Replace output files that exist.")]
 CheckpointOpt = Annotated[Path, typer.Option("--checkpoint", help="Checkpoint dir, or a run dir (latest).")]
 
 
@@ -57,6 +58,7 @@ def gradcheck(
     seed: Annotated[int, typer.Option(min=0, max=2**53, help="Seed of the sampled inputs and cotangents.")] = 0,
     size: Annotated[int, typer.Option(min=1, help="Multiply the sequence length of gate A's cases.")] = 1,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Check an op's backends against the fp64 oracle (gate A) and finite differences (gate B).
     `--op all` checks every registered op in turn: one report each, then an overall verdict."""
@@ -64,8 +66,10 @@ def gradcheck(
     from rwkvx_cli.tools.gradcheck import plan_gradcheck
 
     plan = plan_gradcheck(op, backend, size, on_skip=warn_skipped_backend)  # every usage error first
+    if json_path is not None:
+        check_output(json_path, force, "--json")  # before minutes of checks
     summary = gradcheck_run(plan, seed, size, all_ops=op == "all")
-    write_json(json_path, summary if op == "all" else summary["ops"][0])
+    write_json(json_path, summary if op == "all" else summary["ops"][0], force=force)
     if not summary["passed"]:
         raise typer.Exit(1)
 
@@ -149,6 +153,7 @@ def eval_cmd(
     include_path: IncludePath = None,
     output: Output = None,
     bootstrap_iters: Bootstrap = 100_000,
+    force: ForceOpt = False,
 ) -> None:
     """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text.
     With --tasks, lm-evaluation-harness tasks instead (docs/eval.md; pip install 'rwkvx\\[eval]')."""
@@ -168,10 +173,8 @@ def eval_cmd(
         raise UsageError("--generate and --tasks do not go together; run them separately")
     from rwkvx_cli.evaluation.harness import run_tasks
 
-    del task_options["output"]
-    harness = dict(batch_size=batch_size, bootstrap_iters=bootstrap_iters, seed=seed, **task_options)
+    harness = dict(batch_size=batch_size, bootstrap_iters=bootstrap_iters, seed=seed, force=force, **task_options)
     scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=_warn_skipped, **harness)
-    write_json(output, scores.summary)
     render_tasks(scores, json_out, output)
 
 
@@ -189,19 +192,20 @@ def explain(
     json_path: Annotated[Path | None, typer.Option("--json", help="Also write every number as JSON here.")] = None,
     html_path: Annotated[Path | None, typer.Option("--html", help="Also write the text coloured by relevance.")] = None,
     png_path: Annotated[Path | None, typer.Option("--png", help="Also write that picture as a PNG.")] = None,
+    force: ForceOpt = False,
 ) -> None:
     """Which input tokens made the model predict the next one: LRP for RWKV-4/RWKV-7 (docs/explain.md)."""
     from rwkvx_cli.explain import explain_checkpoint
     from rwkvx_cli.explain import render as pictures
     from rwkvx_cli.render import print_wide
 
+    pictures.check_outputs(json_path, html_path, png_path, force)
+    writers = ((json_path, pictures.write_json), (html_path, pictures.write_html), (png_path, pictures.write_png))
     result = explain_checkpoint(checkpoint, text, target, per_layer, epsilon, data_dir, on_skip=_warn_skipped)
     print_wide(pictures.relevance_table(result))
-    writers = ((json_path, pictures.write_json), (html_path, pictures.write_html), (png_path, pictures.write_png))
     for path, write in writers:
         if path is not None:
-            write(result, path)
-            out.print(f"wrote {path}", markup=False)
+            out.print(f"wrote {write(result, path, force)}", markup=False)
 def choices(name: str, *values: str) -> type[Enum]:
     """An option's fixed values, as the Enum typer checks them against."""
     return Enum(name, {v: v for v in values}, type=str)
@@ -259,6 +263,7 @@ def bench(
     override: Sets = None,
     vs_gpt: VsGpt = False,
     json_path: JsonOpt = None,
+    force: ForceOpt = False,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
     from rwkvx_cli.render import bench_status, render_bench, render_model_bench
@@ -267,12 +272,14 @@ def bench(
     if model is None and (override or vs_gpt):
         raise UsageError(f"{'--set' if override else '--vs-gpt'} goes with --model CFG")
     dev = resolve_device(device.value, setting="--device")
+    if json_path is not None:
+        check_output(json_path, force, "--json")
     if model is not None:
         from rwkvx_cli.tools.bench_model import bench_model
 
         result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt)
         render_model_bench(result)
-        write_json(json_path, result)
+        write_json(json_path, result, force=force)
         return
     from rwkvx_cli.tools.bench import plan_bench, run_bench
 
@@ -281,7 +288,7 @@ def bench(
     with bench_status() as on_row:
         report = run_bench(specs, backend, shapes, dtype.value, modes, baseline, dev, on_row=on_row)
     render_bench(report, baseline)
-    write_json(json_path, report.to_dict())
+    write_json(json_path, report.to_dict(), force=force)
 
 
 data_app = typer.Typer(help="Prepare tokenized data.", no_args_is_help=True)

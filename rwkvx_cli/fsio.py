@@ -1,7 +1,11 @@
-"""Crash-safe file writes: a reader sees the old file or the whole new one, never half of one."""
+"""Crash-safe file writes: a reader sees the old file or the whole new one, never half of one;
+and no write goes through a symbolic link rwkvx did not make (a link planted where rwkvx writes
+would otherwise have its target overwritten)."""
 
 from __future__ import annotations
 
+import contextlib
+import errno
 import json
 import os
 from pathlib import Path
@@ -9,8 +13,40 @@ from pathlib import Path
 from rwkvx_cli.errors import RwkvxError, UsageError
 
 
+class LinkRefused(RwkvxError):
+    """A path rwkvx writes to is a symbolic link."""
+
+    def __init__(self, path: Path | str):
+        super().__init__(f"{path} is a symbolic link; rwkvx never writes through a link it did not make (remove it)")
+
+
 def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
+
+
+def open_no_follow(path: Path | str, flags: int, mode: int = 0o644) -> int:
+    """os.open that refuses a symbolic link at `path` (LinkRefused) instead of following it."""
+    try:
+        return os.open(path, flags | os.O_NOFOLLOW, mode)
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            raise LinkRefused(path) from None
+        raise
+
+
+def create_temp(path: Path):
+    """(temp path, binary file) of a new file beside `path` (temp_path's name), made with O_EXCL: an
+    entry already there (a stale one of this pid, or a planted link) is removed, never written through."""
+    tmp = temp_path(Path(path))
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
+    return tmp, os.fdopen(fd, "wb")
+
+
+def open_append(path: Path | str):
+    """A text file opened for appending, created if needed; a symbolic link is refused."""
+    return os.fdopen(open_no_follow(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT), "a", encoding="utf-8")
 
 
 def fsync_file(f) -> None:
@@ -44,12 +80,12 @@ def fsync_dir(path: Path) -> None:
 def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = temp_path(path)
+    tmp, f = create_temp(path)
     try:
-        with open(tmp, "wb") as f:
+        with f:
             f.write(data)
             fsync_file(f)
-        os.replace(tmp, path)
+        os.replace(tmp, path)  # replaces a link at `path` itself, never its target
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise
@@ -60,14 +96,48 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
     atomic_write_bytes(path, text.encode("utf-8"))
 
 
-def write_json(path: Path | None, data) -> None:
-    """An output option's JSON (`--json PATH`), written atomically; nothing when `path` is None."""
-    if path is None:
-        return
+# -- files a user names on the command line (--json, --html, --png, --output, export --out) -------
+# A run's own files: an output option never replaces them, even with --force.
+RUN_FILES = ("config.yaml", "tokenizer.json", "metrics.jsonl", ".rwkvx-run", ".rwkvx-lock", "source.json")
+
+
+def check_output(path: Path | str, force: bool = False, flag: str = "--out") -> Path:
+    """Refuse an output file that would destroy something: a directory, a path inside a checkpoint
+    or a run's checkpoints folder or a prepared-data directory, a run's own files, a path under a
+    file, or (without `force`) any existing file. Returns the path."""
+    path = Path(path)
+    if str(path).strip() == "" or path.is_dir() or str(path).endswith(os.sep):
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    full = Path(os.path.abspath(path))
+    for d in full.parents:
+        in_root = d == full.parent and any(d.glob("step_*/meta.json"))  # a run's checkpoints folder
+        if in_root or (d / "meta.json").is_file() and (d / "model.safetensors").is_file():
+            raise UsageError(f"{flag} {path} is inside a checkpoint ({d}); write it elsewhere")
+        if (d / DATA_MARKER).exists():
+            raise UsageError(f"{flag} {path} is inside a prepared-data directory ({d}); write it elsewhere")
+        if d.exists() and not d.is_dir():
+            raise UsageError(f"{flag} {path} is under a file ({d})")
+    if full.name in RUN_FILES and (full.parent / RUN_MARKER).exists():
+        raise UsageError(f"{flag} {path} is one of the run's own files; write it elsewhere")
+    if (path.exists() or path.is_symlink()) and not force:
+        raise UsageError(f"{flag} {path} already exists; pass --force to replace it")
+    return path
+
+
+def write_output(path: Path, data: bytes | str, *, force: bool = False, flag: str = "--out") -> Path:
+    """A user-named output file, checked (check_output) and written atomically; returns its path."""
+    check_output(path, force, flag)
     try:
-        atomic_write_text(path, json.dumps(data, indent=2) + "\n")
+        atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
     except OSError as e:
         raise RwkvxError(f"cannot write {path}: {e.strerror}") from None
+    return Path(path)
+
+
+def write_json(path: Path | None, data, *, force: bool = False, flag: str = "--json") -> None:
+    """An output option's JSON (`--json PATH`), guarded as every output file; nothing when `path` is None."""
+    if path is not None:
+        write_output(path, json.dumps(data, indent=2) + "\n", force=force, flag=flag)
 
 
 # -- directories rwkvx may write into ------------------------------------------------------------

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import check_output, write_json
 from rwkvx_cli.runs import open_checkpoint
 
 INSTALL_HINT = "pip install 'rwkvx[eval]'"
@@ -103,14 +104,19 @@ def run_tasks(
     bootstrap_iters: int = 100_000,
     seed: int = 0,
     on_skip: Callable[[Path, str], None] | None = None,
+    output: Path | None = None,
+    force: bool = False,
 ) -> TaskScores:
     """Evaluate a checkpoint (a checkpoint dir, or a run dir: its newest good one) on lm-eval
-    tasks with its run's tokenizer. Bad names fail before the weights are read."""
+    tasks with its run's tokenizer; with `output`, the summary is also written there as JSON (an existing
+    file only with `force`). Bad names and a refused output fail before the weights are read."""
     start = time.perf_counter()
     require_lm_eval()
     names = split_names(tasks)
     if limit is not None and limit <= 0:
         raise UsageError(f"--limit: {limit:g} must be > 0 (a count of examples, or a fraction below 1)")
+    if output is not None:
+        check_output(output, force, "--output")
     manager = task_manager(names, include_path)
     names = expand_names(manager, names)
 
@@ -157,6 +163,7 @@ def run_tasks(
                 continue
             stderr = metrics.get(key.replace(",", "_stderr,", 1))
             scores.rows.append((task, metric, float(value), _number(stderr)))
+    write_json(output, scores.summary, force=force, flag="--output")
     return scores
 
 

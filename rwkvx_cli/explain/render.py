@@ -5,6 +5,7 @@ lowers it, the strength scaled to the largest |relevance|. Nothing here prints."
 from __future__ import annotations
 
 import html
+import io
 import json
 from pathlib import Path
 
@@ -12,7 +13,7 @@ from rich.table import Table
 from rich.text import Text
 
 from rwkvx_cli.explain.lrp import ExplainResult
-from rwkvx_cli.fsio import atomic_write_text
+from rwkvx_cli.fsio import check_output, write_output
 
 RED = (214, 39, 40)
 BLUE = (31, 119, 180)
@@ -74,8 +75,15 @@ def to_json(r: ExplainResult) -> str:
     return json.dumps(r.to_dict(), indent=2, ensure_ascii=False) + "\n"
 
 
-def write_json(r: ExplainResult, path: Path) -> None:
-    atomic_write_text(Path(path), to_json(r))
+def check_outputs(json_path: Path | None, html_path: Path | None, png_path: Path | None, force: bool) -> None:
+    """Refuse bad --json/--html/--png targets before anything is computed (fsio.check_output)."""
+    for path, flag in ((json_path, "--json"), (html_path, "--html"), (png_path, "--png")):
+        if path is not None:
+            check_output(Path(path), force, flag)
+
+
+def write_json(r: ExplainResult, path: Path, force: bool = False) -> Path:
+    return write_output(Path(path), to_json(r), force=force, flag="--json")
 
 
 def _background(rel: float, top: float) -> str:
@@ -151,11 +159,16 @@ def to_html(r: ExplainResult) -> str:
     return "\n".join(parts)
 
 
-def write_html(r: ExplainResult, path: Path) -> None:
-    atomic_write_text(Path(path), to_html(r))
+def write_html(r: ExplainResult, path: Path, force: bool = False) -> Path:
+    return write_output(Path(path), to_html(r), force=force, flag="--html")
 
 
-def write_png(r: ExplainResult, path: Path, columns: int = 72) -> None:
+def write_png(r: ExplainResult, path: Path, force: bool = False, columns: int = 72) -> Path:
+    """The text coloured by relevance as a PNG, written at exactly `path` (no suffix added)."""
+    return write_output(Path(path), to_png(r, columns), force=force, flag="--png")
+
+
+def to_png(r: ExplainResult, columns: int = 72) -> bytes:
     """The coloured text as a PNG (matplotlib, monospace, wrapped at `columns` characters)."""
     from matplotlib.figure import Figure  # not pyplot: no backend or global state to touch
     from matplotlib.patches import Rectangle
@@ -188,5 +201,6 @@ def write_png(r: ExplainResult, path: Path, columns: int = 72) -> None:
             Rectangle((c * char_w, y - 0.75), len(text) * char_w, 1.5, color=(*colour, 0.85 * min(abs(rel) / top, 1)))
         )
         ax.text(c * char_w, y, text, fontsize=font, family="DejaVu Sans Mono", va="center")
-    Path(path).parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png")
+    return buffer.getvalue()

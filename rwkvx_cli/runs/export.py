@@ -12,7 +12,7 @@ from safetensors import SafetensorError
 from safetensors.torch import save_file
 
 from rwkvx_cli.errors import RwkvxError, UsageError
-from rwkvx_cli.fsio import fsync_path, temp_path
+from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.opening import find_checkpoint
@@ -29,8 +29,7 @@ def export_checkpoint(
         raise UsageError(f"unknown export format {fmt!r}; valid: rwkv-lm, safetensors")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    out = Path(out)
-    _check_target(out, force)
+    out = check_output(out, force, "--out")
     ckpt = find_checkpoint(checkpoint, on_skip)
     path, meta = ckpt.path, ckpt.meta
     other = sorted(set(layer_kinds(ckpt.config.model)) - {"rwkv7"})
@@ -38,12 +37,13 @@ def export_checkpoint(
         raise RwkvxError(f"the rwkv-lm format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
     weights = store.load_weights(path)
     tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
-    tmp = temp_path(out)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, f = create_temp(out)  # a new file: a link planted at the temporary name is not followed
     try:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        if fmt == "rwkv-lm":
-            torch.save(tensors, tmp)
-        else:
+        with f:
+            if fmt == "rwkv-lm":
+                torch.save(tensors, f)
+        if fmt == "safetensors":
             save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
         fsync_path(tmp)
         os.replace(tmp, out)
@@ -51,19 +51,3 @@ def export_checkpoint(
         tmp.unlink(missing_ok=True)
         raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}") from None
     return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}
-
-
-def _check_target(out: Path, force: bool) -> None:
-    """The export target: a file name that is not inside a checkpoint (nor a run's checkpoints
-    folder), not a directory, and not an existing file unless `force`."""
-    if str(out).strip() == "" or out.is_dir() or str(out).endswith(os.sep):
-        raise UsageError(f"--out {out} is a directory; give a file name, e.g. {out / 'model.pth'}")
-    parent = Path(os.path.abspath(out)).parent
-    for d in (parent, *parent.parents):
-        in_root = d == parent and any(d.glob("step_*/meta.json"))  # a run's checkpoints folder
-        if in_root or (d / "meta.json").is_file() and (d / "model.safetensors").is_file():
-            raise UsageError(f"--out {out} is inside a checkpoint ({d}); export elsewhere")
-        if d.exists() and not d.is_dir():
-            raise UsageError(f"--out {out} is under a file ({d})")
-    if out.exists() and not force:
-        raise UsageError(f"--out {out} already exists; pass --force to replace it")

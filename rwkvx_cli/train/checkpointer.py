@@ -41,7 +41,9 @@ class CheckpointManager:
     """Saves every `train.ckpt_interval` steps and at the last step (or when forced, on a stop
     request), keeping the newest `train.keep_last`; under FSDP every rank takes part in gathering
     the state and rank 0 writes it. `before_save()` runs first: the trainer fsyncs its metrics
-    there, so that a checkpoint on disk never lacks the metric lines up to it."""
+    there, so that a checkpoint on disk never lacks the metric lines up to it. `guard()` runs on rank 0
+before anything is written and raises when the run directory is no longer this process's
+(runs/lock.py)."""
 
     def __init__(
         self,
@@ -53,9 +55,11 @@ class CheckpointManager:
         dist: DistInfo,
         device: torch.device,
         before_save: Callable[[], None] | None = None,
+        guard: Callable[[], None] | None = None,
     ):
         self.root, self.cfg, self.model, self.optimizer = Path(root), cfg, model, optimizer
         self.micro, self.dist, self.device, self.before_save = micro, dist, device, before_save
+        self.guard = guard
         self.interval, self.keep_last, self.total_steps = cfg.train.ckpt_interval, cfg.train.keep_last, cfg.total_steps
         self.global_rows = cfg.train.micro_batch * cfg.train.grad_accum
 
@@ -77,6 +81,8 @@ class CheckpointManager:
         carry_tensors = self._carry_tensors(carry)
         if not self.dist.is_main:
             return None
+        if self.guard is not None:
+            self.guard()  # the run directory is still the one this process holds
         meta = {
             "config": config_to_dict(self.cfg),
             "torch_rng": torch.get_rng_state().tolist(),

@@ -88,9 +88,11 @@ class Trainer:
         tokenizer,
         dist: DistInfo = SINGLE,
         runtime: rt.Runtime | None = None,
+        guard: Callable[[], None] | None = None,
     ):
         """`runtime`: the command's resolved device and precision (None: resolve train.device and
-        train.precision here, for a Trainer built outside `rwkvx train`)."""
+        train.precision here, for a Trainer built outside `rwkvx train`). `guard()`: called before
+        each checkpoint is written; raises when the run directory is no longer this process's."""
         self.cfg, self.run_dir, self.dist = cfg, Path(run_dir), dist
         self.runtime = runtime if runtime is not None else rt.resolve(cfg.train.device, cfg.train.precision)
         self.model = model.to(self.device)
@@ -129,6 +131,7 @@ class Trainer:
             dist,
             self.device,
             before_save=self.sinks.sync,
+            guard=guard,
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.model.grad_checkpointing = t.grad_cp

@@ -13,7 +13,7 @@ import math
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from rwkvx_cli.fsio import atomic_write_text, fsync_file
+from rwkvx_cli.fsio import atomic_write_text, fsync_file, open_append
 
 
 @dataclass
@@ -49,7 +49,7 @@ class MetricsLog:
 
     def __enter__(self) -> MetricsLog:
         if self.enabled:
-            self._file = open(self.path, "a")
+            self._file = open_append(self.path)
         return self
 
     def __exit__(self, *exc) -> None:

@@ -2,8 +2,11 @@
 
 from __future__ import annotations
 
+import io
 import json
 from pathlib import Path
+
+from rwkvx_cli.fsio import atomic_write_bytes
 
 
 def plot_losses(metrics_path: Path, out_path: Path) -> Path:
@@ -23,6 +26,8 @@ def plot_losses(metrics_path: Path, out_path: Path) -> Path:
     ax.grid(alpha=0.3)
     ax.legend()
     fig.tight_layout()
-    fig.savefig(out_path, dpi=100)
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=100)
     plt.close(fig)
+    atomic_write_bytes(out_path, buffer.getvalue())  # never through a link at out_path
     return out_path

@@ -5,10 +5,12 @@ a Chrome trace (chrome://tracing, https://ui.perfetto.dev) to <run>/profile/trac
 from __future__ import annotations
 
 import contextlib
+import os
 from pathlib import Path
 
 import torch
 
+from rwkvx_cli.fsio import create_temp
 from rwkvx_cli.runs.runtime import profiler_quiet
 
 
@@ -72,6 +74,13 @@ class StepProfiler:
         with profiler_quiet():
             prof.__exit__(None, None, None)
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        prof.export_chrome_trace(str(self.path))
+        tmp, f = create_temp(self.path)  # a new file, renamed into place: never written through a link
+        f.close()
+        try:
+            prof.export_chrome_trace(str(tmp))
+            os.replace(tmp, self.path)
+        except BaseException:
+            tmp.unlink(missing_ok=True)
+            raise
         self.done = True
         self._unreported = self.path

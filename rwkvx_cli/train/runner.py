@@ -137,8 +137,8 @@ def claim_run(cfg: Config):
     mark it as a run, and hold its lock (runs/lock.py) until the block ends."""
     run_dir = check_writable_dir(cfg.run_dir, RUN_MARKER, _older_run, "run_dir")
     claim_dir(run_dir, RUN_MARKER)
-    with hold_run(run_dir):
-        yield
+    with hold_run(run_dir) as lock:
+        yield lock
 
 
 def run_training(
@@ -159,13 +159,14 @@ def run_training(
     check_training(cfg, runtime)
     distributed.init(dist, runtime.device)
     try:
-        with claim_run(cfg) if dist.is_main else contextlib.nullcontext():
-            return _run_training(cfg, resume, dist, runtime, on_event, on_skip, data_progress)
+        with claim_run(cfg) if dist.is_main else contextlib.nullcontext() as lock:
+            guard = lock.check if lock is not None else None
+            return _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress)
     finally:
         distributed.shutdown()
 
 
-def _run_training(cfg, resume, dist, runtime, on_event, on_skip, data_progress) -> TrainResult:
+def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress) -> TrainResult:
     emit = on_event or (lambda kind, payload: None)
     run_dir = Path(cfg.run_dir)
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
@@ -182,7 +183,7 @@ def _run_training(cfg, resume, dist, runtime, on_event, on_skip, data_progress) 
     distributed.barrier()  # rank 0 has written the run files
     if not dist.is_main:
         data, model = ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed)
-    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime)
+    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard)
     if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
         kept = trainer.metrics.set_aside()

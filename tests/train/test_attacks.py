@@ -1,0 +1,193 @@
+"""Issue 24's hostile tries, each a promise of the README's "What rwkvx will never do" held at its
+mechanism: no write through a planted symbolic link, no output option over a checkpoint or an
+existing file, no second writer after the lock file is deleted or the run directory replaced."""
+
+import json
+import os
+import shutil
+import subprocess
+import time
+
+import pytest
+from typer.testing import CliRunner
+
+from rwkvx_cli.cli import app
+from rwkvx_cli.runs import store
+from tests.train.helpers import REPO, cli_command, env, run_cli, tiny_args
+
+runner = CliRunner()
+SHORT = ("train.tokens=512", "train.ckpt_interval=2", "train.eval_interval=2", "train.eval_tokens=64")  # 4 steps
+
+
+def invoke(*args):
+    return runner.invoke(app, [*map(str, args)])
+
+
+def one_line_error(result, code: int) -> str:
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    return lines[0]
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory, corpus):
+    run = tmp_path_factory.mktemp("trained") / "run"
+    result = invoke("train", *tiny_args(run, corpus, *SHORT))
+    assert result.exit_code == 0, result.output
+    return run
+
+
+# -- 1. no write through a symbolic link ----------------------------------------------------------
+RUN_FILES = (".rwkvx-lock", "config.yaml", "tokenizer.json", "loss.png", ".rwkvx-run")
+
+
+@pytest.mark.parametrize("name", RUN_FILES)
+def test_a_link_planted_in_a_run_directory_is_never_written_through(tmp_path, corpus, name):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".rwkvx-run").write_text("")  # a shared run directory rwkvx made
+    if name == ".rwkvx-run":
+        (run / name).unlink()
+    (run / name).symlink_to(victim)
+    result = invoke("train", *tiny_args(run, corpus, *SHORT))
+    assert victim.read_text() == "precious\n"
+    assert result.exit_code == 0, result.output
+    if name != ".rwkvx-run":  # the marker is only ever created, never rewritten: a link there stays, unread
+        assert not (run / name).is_symlink()  # the link itself was replaced by rwkvx's own file
+
+
+def test_a_link_at_the_metrics_log_is_refused_in_one_line(tmp_path, corpus, trained):
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    store.set_aside(store.list_checkpoints(run / "checkpoints")[-1])  # something left to train on resume
+    (run / "metrics.jsonl").unlink()
+    (run / "metrics.jsonl").symlink_to(victim)
+    result = invoke("train", "--config", run / "config.yaml", "--resume", f"run_dir={run}")
+    # Resuming rewrites the log up to its checkpoint (atomically: the link is replaced, not followed).
+    assert victim.read_text() == "precious\n"
+    assert result.exit_code == 0, result.output
+
+
+def test_a_link_at_a_temporary_name_is_never_followed(tmp_path):
+    from rwkvx_cli.fsio import atomic_write_text, temp_path
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    target = tmp_path / "out.json"
+    temp_path(target).symlink_to(victim)  # a name an attacker can predict
+    atomic_write_text(target, "{}")
+    assert victim.read_text() == "precious\n" and target.read_text() == "{}"
+
+
+def test_appending_refuses_a_link(tmp_path):
+    from rwkvx_cli.fsio import LinkRefused, open_append
+
+    victim = tmp_path / "victim.txt"
+    victim.write_text("precious\n")
+    (tmp_path / "log").symlink_to(victim)
+    with pytest.raises(LinkRefused, match="is a symbolic link"):
+        open_append(tmp_path / "log")
+    assert victim.read_text() == "precious\n"
+
+
+# -- 2. output options: one guarded writer ----------------------------------------------------------
+def test_no_output_option_replaces_a_checkpoint_or_an_existing_file(trained, tmp_path):
+    ckpt = store.list_checkpoints(trained / "checkpoints")[-1]
+    weights = (ckpt / "model.safetensors").read_bytes()
+    explain = ["explain", "--checkpoint", trained, "--text", "hi"]
+    for flag in ("--json", "--html", "--png"):
+        for forced in ((), ("--force",)):
+            line = one_line_error(invoke(*explain, flag, ckpt / "model.safetensors", *forced), 2)
+            assert "inside a checkpoint" in line
+    assert (ckpt / "model.safetensors").read_bytes() == weights
+    assert "run's own files" in one_line_error(invoke(*explain, "--json", trained / "config.yaml", "--force"), 2)
+    mine = tmp_path / "mine.json"
+    mine.write_text("the user's own file")
+    for args in (
+        [*explain, "--json", mine],
+        ["gradcheck", "--op", "wkv4", "--backend", "reference", "--json", mine],
+        ["bench", "--op", "wkv4", "--backend", "reference", "--shape", "1,4,1,4", "--json", mine],
+    ):
+        assert "already exists; pass --force" in one_line_error(invoke(*args), 2)
+    assert mine.read_text() == "the user's own file"
+    result = invoke(*explain, "--json", mine, "--force")
+    assert result.exit_code == 0 and json.loads(mine.read_text())["text"] == "hi"
+
+
+def test_explain_png_writes_the_path_it_names(trained, tmp_path):
+    explain = ["explain", "--checkpoint", trained, "--text", "hi", "--png"]
+    assert "is a directory" in one_line_error(invoke(*explain, tmp_path), 2)
+    target = tmp_path / "picture"  # no suffix: written as named, and said so
+    result = invoke(*explain, target)
+    assert result.exit_code == 0, result.output
+    assert target.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and f"wrote {target}" in result.stdout
+    assert not (tmp_path / "picture.png").exists()
+
+
+# -- 3. one writer, whatever happens to the lock file ------------------------------------------------
+def _start_training(run, corpus, *extra):
+    args = tiny_args(run, corpus, "train.tokens=200000", "train.ckpt_interval=1", "train.eval_interval=1000", *extra)
+    proc = subprocess.Popen(
+        cli_command("train", *args), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env(), cwd=REPO
+    )
+    start = time.time()
+    while not store.list_checkpoints(run / "checkpoints") or len(store.list_checkpoints(run / "checkpoints")) < 2:
+        assert proc.poll() is None, proc.communicate()
+        assert time.time() - start < 120
+        time.sleep(0.05)
+    return proc
+
+
+def test_deleting_the_lock_file_lets_no_second_writer_in(tmp_path, corpus):
+    run = tmp_path / "run"
+    first = _start_training(run, corpus)
+    try:
+        (run / ".rwkvx-lock").unlink()
+        second = run_cli("train", *tiny_args(run, corpus, "train.tokens=200000"), "--resume")
+        assert second.returncode == 1, second.stderr
+        assert "is in use by" in second.stderr and "Traceback" not in second.stderr
+    finally:
+        first.terminate()
+        first.communicate(timeout=120)
+    assert not list((run / "checkpoints").glob("corrupt-*"))
+
+
+def test_the_holder_sees_its_run_directory_moved_or_replaced(tmp_path):
+    from rwkvx_cli.runs.lock import RunLockLost, hold_run
+
+    run = tmp_path / "run"
+    run.mkdir()
+    with hold_run(run) as lock:
+        lock.check()  # still its own
+        os.rename(run, tmp_path / "moved")
+        with pytest.raises(RunLockLost, match="was moved, deleted or replaced"):
+            lock.check()
+        run.mkdir()  # a new directory under the old name is not the one it holds
+        with pytest.raises(RunLockLost):
+            lock.check()
+
+
+def test_a_lost_run_directory_stops_the_checkpoint_before_it_writes(tmp_path, corpus):
+    """The trainer's checkpoints call the lock's check first: nothing is written once it fails."""
+    from rwkvx_cli.config import load_config
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.runs.data import ensure_data
+    from rwkvx_cli.runs.lock import RunLockLost
+    from rwkvx_cli.train.loop import Trainer
+
+    def lost():
+        raise RunLockLost("the run directory was replaced")
+
+    cfg = load_config(None, tiny_args(tmp_path / "run", corpus, *SHORT))
+    data = ensure_data(cfg, tmp_path / "run")
+    model = build_model(cfg.model, 0)
+    trainer = Trainer(cfg, tmp_path / "run", model, data.train.tokens, data.val.tokens, data.tokenizer, guard=lost)
+    with pytest.raises(RunLockLost):
+        trainer.run()
+    assert not (tmp_path / "run" / "checkpoints").exists()
