@@ -103,6 +103,7 @@ def train(
     config: ConfigOpt = None,
     overrides: Overrides = None,
     resume: Annotated[bool, typer.Option("--resume", help="Continue from the run's latest checkpoint.")] = False,
+    allow_change: Annotated[Names, typer.Option(help="--resume: accept this changed setting; repeatable.")] = None,
 ) -> None:
     """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl.
     Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
@@ -116,9 +117,8 @@ def train(
         dist = distributed.from_env()
         out.quiet = not dist.is_main  # rank 0 reports; errors (stderr) still come from every rank
         with TrainConsole(cfg, dist) as console:
-            result = run_training(
-                cfg, resume, dist, on_event=console.on_event, on_skip=_warn_skipped, data_progress=data_progress
-            )
+            events = dict(on_event=console.on_event, on_skip=_warn_skipped, data_progress=data_progress)
+            result = run_training(cfg, resume, dist, allow_change=allow_change or (), **events)
         if result.stopped:
             signals.ignore_stop_signals()
         console.finish(result)

@@ -354,6 +354,9 @@ class TrainConsole:
             line = f"resumed from step {payload}" if payload else "no checkpoint to resume from: starting at step 0"
             if self.dist.is_main:
                 err.print(line)
+        elif kind == "changed":
+            changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in payload.items())
+            warning(f"continuing with changed settings (--allow-change): {changed}; not an exact resume")
         elif kind == "start":
             self._start(payload)
         elif kind == "profile":
@@ -369,16 +372,17 @@ class TrainConsole:
             if self.live is not None:
                 self.live.update(self.view.render())
             elif kind == "step" and self.dist.is_main and not out.is_terminal:
-                m, total = payload, self.cfg.total_steps
+                m, total = payload, self.view.total
                 if m.step % self.cfg.train.log_interval == 0 or m.step == total:
                     out.print(progress_line(m, total), markup=False, soft_wrap=True)  # one line per entry
 
     def _start(self, start) -> None:
         cfg, dist, summary = self.cfg, self.dist, start.summary
+        self.view.total = start.last_step
         ranks = f" x {dist.world_size} ranks ({cfg.train.distributed})" if dist.launched else ""
         out.print(
             f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {start.device}{ranks}: "
-            f"{cfg.total_steps} steps x {cfg.tokens_per_step} tokens, run dir {Path(cfg.run_dir)}"
+            f"{start.last_step} steps x {cfg.tokens_per_step} tokens, run dir {Path(cfg.run_dir)}"
         )
         if dist.is_main and out.is_terminal:  # piped: rich would show only the last frame
             from rich.live import Live

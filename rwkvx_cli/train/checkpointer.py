@@ -9,13 +9,13 @@ meta.json with checksums, atomic renames, keep-last) are the store's (runs/store
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from rwkvx_cli.config import Config, config_to_dict
+from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, load_weights_file, mismatch
@@ -32,6 +32,7 @@ class Restored:
     """What a resumed run continues from (the weights and optimizer are loaded in place)."""
 
     step: int
+    tokens: int  # trained so far (the LR schedule's position)
     skipped_steps: int
     nonfinite_in_row: int
     carry: Carry | None  # None: every micro-batch starts from a zero state
@@ -60,20 +61,21 @@ before anything is written and raises when the run directory is no longer this p
         self.root, self.cfg, self.model, self.optimizer = Path(root), cfg, model, optimizer
         self.micro, self.dist, self.device, self.before_save = micro, dist, device, before_save
         self.guard = guard
-        self.interval, self.keep_last, self.total_steps = cfg.train.ckpt_interval, cfg.train.keep_last, cfg.total_steps
+        self.interval, self.keep_last = cfg.train.ckpt_interval, cfg.train.keep_last
         self.global_rows = cfg.train.micro_batch * cfg.train.grad_accum
 
     # -- saving ------------------------------------------------------------------------------------
-    def maybe_save(
-        self, step: int, carry: Carry, *, skipped_steps: int, nonfinite_in_row: int, force: bool = False
-    ) -> bool:
-        """Save if `step` is due (or `force`); True when it saved."""
-        if not (force or step % self.interval == 0 or step == self.total_steps):
+    def maybe_save(self, step: int, last_step: int, carry: Carry, force: bool = False, **counters) -> bool:
+        """Save if `step` is due (every train.ckpt_interval, and the run's `last_step`) or `force`d;
+        True when it saved. `counters`: save's keyword arguments."""
+        if not (force or step % self.interval == 0 or step == last_step):
             return False
-        self.save(step, carry, skipped_steps=skipped_steps, nonfinite_in_row=nonfinite_in_row)
+        self.save(step, carry, **counters)
         return True
 
-    def save(self, step: int, carry: Carry, *, skipped_steps: int, nonfinite_in_row: int) -> Path | None:
+    def save(
+        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
+    ) -> Path | None:
         """Write the checkpoint of `step`; its path on rank 0, None on the others."""
         if self.before_save is not None:
             self.before_save()
@@ -87,6 +89,7 @@ before anything is written and raises when the run directory is no longer this p
             "config": config_to_dict(self.cfg),
             "torch_rng": torch.get_rng_state().tolist(),
             "world_size": self.dist.world_size,
+            "tokens": tokens,
             "skipped_steps": skipped_steps,
             "nonfinite_in_row": nonfinite_in_row,
         }
@@ -143,7 +146,7 @@ before anything is written and raises when the run directory is no longer this p
         except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
             raise CheckpointError(f"{path} cannot be loaded: {e}") from None
         carry = self._restore_carry(store.load_extra(path), str(path))
-        return Restored(meta["step"], skipped, in_row, carry)
+        return Restored(meta["step"], tokens_trained(meta), skipped, in_row, carry)
 
     def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
         """This rank's per-micro-batch carry from the global-batch tensors (None when the checkpoint
@@ -192,6 +195,60 @@ before anything is written and raises when the run directory is no longer this p
             raise CheckpointError(f"{source} does not match the model: {problems}")
         check_finite(weights, source)
         distributed.load_full_state(self.model, None, weights, None)
+
+
+# Settings a resume may change freely: they decide where and how often things happen, not what the
+# run computes; and train.tokens, which lengthens (or shortens) the run (its cosine schedule then
+# continues from the tokens trained, over the new total). Any other change breaks the exact
+# reproduction of an uninterrupted run.
+OPERATIONAL = frozenset(
+    {"run_dir", "data.prepared_dir", "train.tokens"}
+    | {
+        f"train.{k}"
+        for k in (
+            "eval_interval", "eval_tokens", "ckpt_interval", "keep_last", "log_interval", "loggers", "wandb_project",
+            "wandb_name", "profile_steps", "nonfinite", "nonfinite_limit", "device", "distributed", "compile",
+            "grad_cp", "init_from",
+        )
+    }
+)
+
+
+def _flat(cfg: Config) -> dict[str, object]:
+    return {
+        f"{section}.{key}" if isinstance(body, dict) else section: value
+        for section, body in config_to_dict(cfg).items()
+        for key, value in (body.items() if isinstance(body, dict) else [(None, body)])
+    }
+
+
+def resume_changes(saved: Config, cfg: Config, allowed: Collection[str] = ()) -> dict[str, tuple]:
+    """{setting: (checkpoint's value, this run's)} for the settings that differ, other than the
+    OPERATIONAL ones. A change not in `allowed` is refused in one line naming the setting and both
+    values; a model setting never changes (the weights would not fit it)."""
+    then, now = _flat(saved), _flat(cfg)
+    for key in allowed:
+        if key not in now:
+            raise ConfigError(f"--allow-change {key}: not a config setting (e.g. train.micro_batch)")
+    changes = {k: (then.get(k), v) for k, v in now.items() if k not in OPERATIONAL and then.get(k) != v}
+    for key, (old, new) in changes.items():
+        if key.startswith("model."):
+            raise ConfigError(f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; the model is fixed")
+        if key not in allowed:
+            raise ConfigError(
+                f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now, which breaks the exact "
+                f"resume; set it back, or pass --allow-change {key} to continue with {new!r}"
+            )
+    return changes
+
+
+def tokens_trained(meta: dict) -> int:
+    """Tokens a checkpoint's run had trained: recorded since resumes may change the batch; before
+    that, its step times its config's tokens per step."""
+    if isinstance(meta.get("tokens"), int):
+        return meta["tokens"]
+    t = meta["config"]["train"]
+    return meta["step"] * t["ctx_len"] * t["micro_batch"] * t["grad_accum"]
 
 
 def _same_kind(saved, live) -> bool:

@@ -118,6 +118,7 @@ class Trainer:
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
         self.carry: list[list | None] = [None] * len(self.micro)
         self.step = 0
+        self.tokens_done = 0  # the LR schedule's position: steps x tokens per step, across resumes
         self.skipped_steps = 0
         self.nonfinite_in_row = 0
         self.metrics = MetricsLog(metrics_path(self.run_dir), enabled=dist.is_main and "jsonl" in t.loggers)
@@ -148,16 +149,25 @@ class Trainer:
     # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
         """Checkpoint now (rank 0 writes; under FSDP every rank takes part in gathering it)."""
-        return self.checkpoints.save(
-            self.step, self.carry, skipped_steps=self.skipped_steps, nonfinite_in_row=self.nonfinite_in_row
-        )
+        return self.checkpoints.save(self.step, self.carry, **self._counters())
+
+    def _counters(self) -> dict:
+        """What a checkpoint keeps besides the tensors: the schedule's position and the non-finite counts."""
+        return dict(tokens=self.tokens_done, skipped_steps=self.skipped_steps, nonfinite_in_row=self.nonfinite_in_row)
+
+    @property
+    def last_step(self) -> int:
+        """The step the run ends at: this one plus the whole steps the tokens still to train make (a
+        fresh run takes at least one)."""
+        left = (self.cfg.train.tokens - self.tokens_done) // self.cfg.tokens_per_step
+        return self.step + (max(1, left) if self.step == 0 else max(0, left))
 
     def resume(self, on_skip=None) -> int:
         """Continue from the newest good checkpoint; returns its step (0 if none). A damaged newer
         one is reported to `on_skip(path, reason)`, set aside, and skipped."""
         restored = self.checkpoints.load_latest(on_skip)
         if restored is not None:
-            self.step, self.skipped_steps = restored.step, restored.skipped_steps
+            self.step, self.tokens_done, self.skipped_steps = restored.step, restored.tokens, restored.skipped_steps
             self.nonfinite_in_row = restored.nonfinite_in_row
             if restored.carry is not None:
                 self.carry = restored.carry
@@ -173,8 +183,7 @@ class Trainer:
         """One optimizer step; returns (loss, lr, grad norm, applied). A step whose loss or gradient
         norm is not finite is not applied (train.nonfinite=skip) or raises NonFiniteError."""
         t = self.cfg.train
-        tokens_done = self.step * self.cfg.tokens_per_step
-        lr = lr_at(tokens_done, t.lr, t.lr_final, t.warmup_tokens, t.tokens)
+        lr = lr_at(self.tokens_done, t.lr, t.lr_final, t.warmup_tokens, t.tokens)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         x, y = self.sampler.batch(self.step, self.dist.rank, self.dist.world_size)
@@ -204,6 +213,7 @@ class Trainer:
             self._nonfinite(loss_value, norm_value)
         self.optimizer.zero_grad(set_to_none=True)
         self.step += 1
+        self.tokens_done += self.cfg.tokens_per_step
         return loss_value, lr, norm_value, applied
 
     def _loss(self, x, y, carry):
@@ -235,7 +245,7 @@ class Trainer:
         "profile" (the path of the trace train.profile_steps asked for, once written).
         Returns the last step's metrics; None when the run was already complete."""
         cfg, t = self.cfg, self.cfg.train
-        total_steps = cfg.total_steps
+        total_steps = self.last_step
         if self.step >= total_steps:
             return None  # already complete: no sink opened (a wandb run), no probe
         # MFU as `rwkvx bench --model` computes it; the matmul peak is probed once, before timing starts.
@@ -253,7 +263,7 @@ class Trainer:
                 done = (self.step - start_step) * cfg.tokens_per_step
                 last = StepMetrics(
                     step=self.step,
-                    tokens=self.step * cfg.tokens_per_step,
+                    tokens=self.tokens_done,
                     loss=loss,
                     lr=lr,
                     grad_norm=norm,
@@ -275,11 +285,7 @@ class Trainer:
                         on_event("profile", trace)
                 stopping = distributed.any_rank(should_stop(), self.device)
                 saved = self.checkpoints.maybe_save(
-                    self.step,
-                    self.carry,
-                    skipped_steps=self.skipped_steps,
-                    nonfinite_in_row=self.nonfinite_in_row,
-                    force=stopping,
+                    self.step, total_steps, self.carry, force=stopping, **self._counters()
                 )
                 if saved and on_event:
                     on_event("checkpoint", last)

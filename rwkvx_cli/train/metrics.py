@@ -62,6 +62,18 @@ class MetricsLog:
             self._file.write(json_line(m))
             self._file.flush()
 
+    def note(self, row: dict) -> None:
+        """A line that is not a step's metrics (it has no loss): e.g. the settings a resume changed."""
+        if not self.enabled:
+            return
+        if self._file is not None:
+            self._file.write(json.dumps(row) + "\n")
+            self._file.flush()
+            return
+        with open_append(self.path) as f:
+            f.write(json.dumps(row) + "\n")
+            fsync_file(f)
+
     def sync(self) -> None:
         """fsync what was appended (called before each checkpoint)."""
         if self._file is not None:

@@ -7,6 +7,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
 
     "prepared"  PrepareStats   rank 0 tokenized the corpus
     "resumed"   int            --resume: the step it continues from (0: no checkpoint yet)
+    "changed"   dict           --resume --allow-change: {setting: (the checkpoint's value, this run's)}
     "start"     TrainStart     the model is built and the loop is about to begin
     "step", "skipped", "checkpoint"   StepMetrics   from the loop (train/loop.py)
     "profile"   Path           the loop wrote the trace of train.profile_steps
@@ -16,14 +17,14 @@ from __future__ import annotations
 
 import contextlib
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 import yaml
 
-from rwkvx_cli.config import Config, config_to_dict
+from rwkvx_cli.config import Config, ConfigError, config_from_dict, config_to_dict
 from rwkvx_cli.data import PrepareStats
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, check_writable_dir, claim_dir
@@ -39,6 +40,7 @@ from rwkvx_cli.runs.memory import check_model, check_training
 from rwkvx_cli.runs.tokenizers import check_same_tokenizer
 from rwkvx_cli.runs.weights import load_into, load_weights_file
 from rwkvx_cli.train import distributed
+from rwkvx_cli.train.checkpointer import resume_changes
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import check_available as check_loggers
 from rwkvx_cli.train.loop import Trainer
@@ -60,6 +62,7 @@ DataProgress = Callable[[], contextlib.AbstractContextManager]
 class TrainStart:
     summary: dict  # models/summary.py's model_summary
     device: torch.device
+    last_step: int  # the step the run ends at (train.tokens over tokens per step, across resumes)
 
 
 @dataclass
@@ -149,10 +152,12 @@ def run_training(
     on_event: OnEvent | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
     data_progress: DataProgress | None = None,
+    allow_change: Collection[str] = (),
 ) -> TrainResult:
     """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
-    preparation and yields its progress callback (done, total)."""
+    preparation and yields its progress callback (done, total). A resume refuses settings that
+    differ from its checkpoint's, but for those in `allow_change` (train/checkpointer.py)."""
     check_loggers(cfg.train.loggers)  # a missing tensorboard or wandb: the pip command, before anything runs
     # Resolved once, for the whole run: a device or precision this machine lacks is refused here.
     runtime = rt.resolve(cfg.train.device, cfg.train.precision, local_rank=dist.local_rank)
@@ -161,16 +166,28 @@ def run_training(
     try:
         with claim_run(cfg) if dist.is_main else contextlib.nullcontext() as lock:
             guard = lock.check if lock is not None else None
-            return _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress)
+            return _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change)
     finally:
         distributed.shutdown()
 
 
-def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress) -> TrainResult:
+def _saved_config(run_dir: Path) -> Config | None:
+    """The config of the run's newest readable checkpoint (None: none yet)."""
+    for path in reversed(store.list_checkpoints(checkpoints_dir(run_dir))):
+        try:
+            return config_from_dict(store.read_meta(path)["config"])
+        except (store.CheckpointError, ConfigError):
+            continue  # damaged: resume reports it and falls back
+    return None
+
+
+def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change) -> TrainResult:
     emit = on_event or (lambda kind, payload: None)
     run_dir = Path(cfg.run_dir)
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
+    saved = _saved_config(run_dir) if resume else None
+    changes = resume_changes(saved, cfg, allow_change) if saved is not None else {}  # before any file is written
     if dist.world_size > 1 and needs_preparing(cfg, run_dir):
         # Every rank sees this before any of them waits: preparing here would leave the others
         # at the barrier until they time out on a large corpus.
@@ -194,12 +211,15 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
             )
     if resume:
         emit("resumed", trainer.resume(on_skip))
+        if changes and trainer.step > 0:
+            trainer.metrics.note({"event": "resume", "step": trainer.step, "changed": changes})
+            emit("changed", changes)
     if trainer.step == 0 and cfg.train.init_from:
         trainer.load_initial(cfg.train.init_from)
-    emit("start", TrainStart(model_summary(model), trainer.device))
+    emit("start", TrainStart(model_summary(model), trainer.device, trainer.last_step))
     with GracefulStop() as stop:
         last = trainer.run(on_event, should_stop=lambda: stop.requested)
-    result = TrainResult(trainer.step, last, stop.requested or trainer.step < cfg.total_steps, trainer.skipped_steps)
+    result = TrainResult(trainer.step, last, stop.requested or trainer.step < trainer.last_step, trainer.skipped_steps)
     if last is None or result.stopped:
         return result
     if dist.is_main and "jsonl" in cfg.train.loggers:  # the plot reads metrics.jsonl

@@ -191,3 +191,44 @@ def test_a_lost_run_directory_stops_the_checkpoint_before_it_writes(tmp_path, co
     with pytest.raises(RunLockLost):
         trainer.run()
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- 7. a resume that changes the computation ------------------------------------------------------
+@pytest.mark.parametrize(
+    "setting, old, new",
+    [
+        ("train.micro_batch", 4, 2),
+        ("train.ctx_len", 32, 16),
+        ("train.precision", "auto", "bf16-mixed"),
+        ("train.sampler", "epoch", "random"),
+        ("train.seed", 0, 1),
+    ],
+)
+def test_a_resume_that_breaks_exactness_is_refused_naming_both_values(trained, tmp_path, setting, old, new):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    before = {p: (run / p).read_bytes() for p in ("config.yaml", "metrics.jsonl")}
+    result = invoke("train", "--config", run / "config.yaml", "--resume", f"run_dir={run}", f"{setting}={new}")
+    line = one_line_error(result, 2)
+    assert f"{setting} is {old!r} in the run's checkpoints, {new!r} now" in line and "--allow-change" in line
+    assert {p: (run / p).read_bytes() for p in before} == before
+
+
+def test_an_allowed_change_keeps_the_schedule_monotone_in_tokens(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ckpts = store.list_checkpoints(run / "checkpoints")
+    shutil.rmtree(ckpts[-1])  # as if it had stopped at step 2 of 4 (512 tokens, 128 a step)
+    args = ["--config", run / "config.yaml", "--resume", f"run_dir={run}", "train.micro_batch=2"]
+    result = invoke("train", *args, "--allow-change", "train.micro_batch")
+    assert result.exit_code == 0, result.output
+    assert "continuing with changed settings" in result.stderr
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r]
+    tokens = [r["tokens"] for r in steps]
+    assert tokens == sorted(tokens) and tokens[-1] == 512  # 256 trained, then 4 steps of 64: no more, no less
+    note = [r for r in rows if r.get("event") == "resume"]
+    assert note == [{"event": "resume", "step": 2, "changed": {"train.micro_batch": [4, 2]}}]
+    assert "--allow-change train.tokenz: not a config setting" in one_line_error(
+        invoke("train", *args, "--allow-change", "train.tokenz"), 2
+    )

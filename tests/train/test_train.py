@@ -218,17 +218,19 @@ def test_corpus_shorter_than_one_window_is_refused_before_training(tmp_path):
 
 
 def test_architecture_mismatch_on_resume_names_what_differs(tmp_path, corpus):
+    """A resume that changes the model is refused before any file is written (config.yaml stays)."""
     run = tmp_path / "run"
     train(*tiny_args(run, corpus, "train.tokens=256"))
-    result = runner.invoke(app, ["train", *tiny_args(run, corpus, "train.tokens=512", "model.n_layer=3"), "--resume"])
-    assert result.exit_code == 1, result.output
-    assert "does not match the model: missing blocks.2." in result.stderr
+    config = (run / "config.yaml").read_text()
+    result = runner.invoke(app, ["train", *tiny_args(run, corpus, "model.n_layer=3"), "--resume"])
+    assert result.exit_code == 2, result.output
+    assert "model.n_layer is 2 in the run's checkpoints, 3 now; the model is fixed" in result.stderr
     result = runner.invoke(
-        app, ["train", *tiny_args(run, corpus, "train.tokens=512", "model.n_embd=32", "model.head_size=16"), "--resume"]
+        app, ["train", *tiny_args(run, corpus, "model.n_embd=32", "model.head_size=16"), "--resume"]
     )
-    assert result.exit_code == 1, result.output
-    assert "shape mismatch blocks.0.att.a0 (1, 1, 64) vs (1, 1, 32)" in result.stderr
+    assert result.exit_code == 2 and "model.n_embd is 64 in the run's checkpoints, 32 now" in result.stderr
     assert "Traceback" not in result.output
+    assert (run / "config.yaml").read_text() == config
 
 
 def test_graceful_stop_records_the_signal_and_restores_the_handlers():
