@@ -519,11 +519,20 @@ def data_prepare(
     eod_id: Annotated[
         int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")
     ] = None,
+    workers: Annotated[
+        int | None, typer.Option(min=1, help="Tokenizing processes (default: the cores this process may use).")
+    ] = None,
+    num_shards: Annotated[int, typer.Option(min=1, help="Split the inputs into K disjoint shards (machines).")] = 1,
+    shard_index: Annotated[int, typer.Option(min=0, help="The shard to prepare, 0..K-1.")] = 0,
+    resume: Annotated[
+        bool, typer.Option("--resume", help="Continue an interrupted prepare of the same inputs and options.")
+    ] = False,
 ) -> None:
     """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split."""
     from rwkvx_cli.data import prepare
+    from rwkvx_cli.render import prepare_progress, prepare_warnings
 
-    with data_progress() as update:
+    with prepare_progress() as on_progress:
         stats = prepare(
             list(inputs),
             out_dir,
@@ -531,12 +540,17 @@ def data_prepare(
             vocab_size=vocab_size,
             val_fraction=val_fraction,
             seed=seed,
-            progress=update,
+            on_progress=on_progress,
             eod_id=eod_id,
             text_field=text_field,
             skip_bad=skip_bad,
+            workers=workers,
+            num_shards=num_shards,
+            shard_index=shard_index,
+            resume=resume,
         )
     out.print(prepared_line(stats), soft_wrap=True)
+    prepare_warnings(stats)
     if stats.skipped_records:
         from rich.markup import escape
 

@@ -14,7 +14,8 @@ from rwkvx_cli.data.binidx import (
 )
 from rwkvx_cli.data.corpus import SUPPORTED, expand_inputs, iter_pieces
 from rwkvx_cli.data.errors import DataError
-from rwkvx_cli.data.prepare import PrepareStats, prepare
+from rwkvx_cli.data.prepare import PrepareProgress, PrepareStats, prepare
+from rwkvx_cli.data.prepared import PreparedCorpus, TokenChain, open_prepared
 from rwkvx_cli.data.tokenizer import (
     EOD_ID,
     EOD_TOKEN,
@@ -47,15 +48,19 @@ __all__ = [
     "DataError",
     "EpochSampler",
     "MixtureSampler",
+    "PrepareProgress",
     "PrepareStats",
+    "PreparedCorpus",
     "RawTokens",
     "StreamSampler",
+    "TokenChain",
     "WindowSampler",
     "WorldTokenizer",
     "dtype_for_vocab",
     "expand_inputs",
     "iter_pieces",
     "load_tokenizer",
+    "open_prepared",
     "open_tokens",
     "permute",
     "prepare",

@@ -221,7 +221,8 @@ def _check_fits(arr: np.ndarray, dtype: np.dtype) -> int | None:
     return int(np.flatnonzero((arr < info.min) | (arr > info.max))[0])
 
 
-def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str, offset: int = 0) -> None:
+    """`offset`: where `tokens` start in what the message names."""
     if tokens.dtype.kind not in "iu":
         raise DataError(f"{what} holds {tokens.dtype} values, not integer token ids")
     for start in range(0, len(tokens), _SCAN_CHUNK):
@@ -231,7 +232,7 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
         wide = part.astype(np.int64)
         pos = int(np.flatnonzero((wide >= vocab_size) | (wide < 0))[0])
         raise DataError(
-            f"{what}: token id {int(wide[pos])} at position {start + pos} is outside the vocabulary "
+            f"{what}: token id {int(wide[pos])} at position {offset + start + pos} is outside the vocabulary "
             f"(size {vocab_size}); was it prepared with another tokenizer?"
         )
 

@@ -6,9 +6,10 @@ wait per worker, so memory is bounded by N * depth tasks and their results, not 
 `multiprocessing.Pool.imap` reads its whole input ahead).
 
 Workers come from the forkserver (a fresh single-threaded process, not a fork of this one, whose other threads could
-hold locks: rich's refresh thread, the tokenizers' thread pools). Each worker ignores SIGINT (this process stops them),
-and dies with its parent (PR_SET_PDEATHSIG on Linux): after a Ctrl-C, a SIGTERM or a kill -9 of this process no
-worker is left running.
+hold locks: rich's refresh thread, the tokenizers' thread pools). They talk over plain pipes, one each way per
+worker; a thread in the worker receives tasks and another sends results, so neither side ever waits on the other's
+pipe. Each worker ignores SIGINT (this process stops them) and ends when this process ends: after a Ctrl-C, a
+SIGTERM or a kill -9 of it no worker is left running.
 """
 
 from __future__ import annotations
@@ -17,14 +18,15 @@ import contextlib
 import multiprocessing
 import os
 import queue
+import select
 import signal
 import sys
+import threading
+import time
 from collections import deque
 from collections.abc import Iterable, Iterator
 
 from rwkvx_cli.data.errors import DataError
-
-_POLL_SECONDS = 0.5  # how often a wait for a result checks that its worker is alive
 
 
 @contextlib.contextmanager
@@ -44,22 +46,22 @@ class WorkerPool:
         # The forkserver imports the encoder once; each worker is a fork of it (milliseconds, no re-import).
         ctx.set_forkserver_preload(["rwkvx_cli.data.encode"])
         self.depth = depth
-        self._tasks = [ctx.Queue() for _ in range(n)]
-        self._results = [ctx.Queue() for _ in range(n)]
-        self._procs = []
+        self._send, self._recv, self._procs = [], [], []
         try:
             with _main_not_imported():
-                for i in range(n):
-                    p = ctx.Process(target=_worker, args=(self._tasks[i], self._results[i], spec), daemon=True)
+                for _ in range(n):
+                    task_r, task_w = ctx.Pipe(duplex=False)
+                    result_r, result_w = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_worker, args=(task_r, result_w, spec, os.getpid()), daemon=True)
                     p.start()
+                    task_r.close()  # the worker's ends: closed here, so that its death reads as EOF
+                    result_w.close()
+                    self._send.append(task_w)
+                    self._recv.append(result_r)
                     self._procs.append(p)
         except BaseException:
             self.kill()
             raise
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs]
 
     def imap(self, items: Iterable[tuple]) -> Iterator[tuple]:
         """(result, tag) for each (task, tag), in order. A `Local` task is not sent: it is its own result, in its
@@ -67,7 +69,7 @@ class WorkerPool:
         from rwkvx_cli.data.encode import Local, ReadFailure
 
         n = len(self._procs)
-        pending: deque = deque()  # (worker or None for a failure, tag or the failure)
+        pending: deque = deque()  # (worker, None, tag), or (None, local task, tag)
         it = iter(items)
         sent = in_flight = 0
         exhausted = False
@@ -85,55 +87,63 @@ class WorkerPool:
                         break
                     continue
                 w = sent % n
-                self._tasks[w].put(task)
+                self._put(w, task)
                 pending.append((w, None, tag))
                 sent += 1
                 in_flight += 1
             if not pending:
                 return
-            w, failure, tag = pending.popleft()
+            w, local, tag = pending.popleft()
             if w is None:
-                yield failure, tag
+                yield local, tag
             else:
                 in_flight -= 1
                 yield self._get(w), tag
 
+    def _put(self, w: int, task) -> None:
+        try:
+            self._send[w].send(task)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._death(w) from None
+
     def _get(self, w: int):
-        while True:
-            try:
-                result = self._results[w].get(timeout=_POLL_SECONDS)
-            except queue.Empty:
-                p = self._procs[w]
-                if p.is_alive():
-                    continue
-                code = p.exitcode
-                if code is not None and -code in (signal.SIGINT, signal.SIGTERM):
-                    raise KeyboardInterrupt from None  # the process group is being stopped
-                how = f"was killed by signal {-code}" if code and code < 0 else f"exited with status {code}"
-                hint = " (out of memory?)" if code == -signal.SIGKILL else ""
-                raise DataError(f"tokenizer worker {w} {how}{hint}") from None
-            if isinstance(result, _Crash):
-                raise DataError(result.message)
-            return result
+        try:
+            result = self._recv[w].recv()
+        except (EOFError, ConnectionResetError):
+            raise self._death(w) from None
+        if isinstance(result, _Crash):
+            raise DataError(result.message)
+        return result
+
+    def _death(self, w: int) -> BaseException:
+        """What to raise for a worker that ended without being told to."""
+        p = self._procs[w]
+        p.join(timeout=5)
+        code = p.exitcode
+        if code is not None and -code in (signal.SIGINT, signal.SIGTERM):
+            return KeyboardInterrupt()  # the process group is being stopped
+        how = f"was killed by signal {-code}" if code and code < 0 else f"exited with status {code}"
+        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+        return DataError(f"tokenizer worker {w} {how}{hint}")
 
     def close(self) -> None:
         """Stop the workers after their last task."""
-        for q in self._tasks:
-            q.put(None)
+        for conn in self._send:
+            with contextlib.suppress(OSError):
+                conn.send(None)
         for p in self._procs:
             p.join(timeout=10)
         self.kill()
 
     def kill(self) -> None:
-        """Stop every worker now (SIGKILL: they hold nothing that needs saving) and release the queues."""
+        """Stop every worker now (SIGKILL: they hold nothing that needs saving) and close the pipes."""
         for p in self._procs:
             if p.is_alive():
                 p.kill()
         for p in self._procs:
             p.join(timeout=10)
-        for q in self._tasks + self._results:
-            q.cancel_join_thread()  # exiting must not wait to flush tasks to a dead worker
-            q.close()
+        for conn in self._send + self._recv:
+            conn.close()
 
 
 @contextlib.contextmanager
@@ -161,35 +171,87 @@ class _Crash:
         self.message = message
 
 
-def _die_with_parent() -> None:
+def _die_with(owner: int) -> None:
+    """End this worker when the process that started the pool ends, however it ends (kill -9 included).
+
+    The forkserver, our parent, does not end with it: each worker holds the pipe end whose closing would tell the
+    forkserver to go. So a thread waits for the owner itself (a pidfd; polling where there is none)."""
     try:
         import ctypes
 
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: the kernel kills us when the forkserver goes
-    except (OSError, AttributeError):  # not Linux: the forkserver's end still closes our queue
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: and if the forkserver goes
+    except (OSError, AttributeError):
         pass
 
-
-def _worker(tasks, results, spec) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the parent stops us
-    parent = os.getppid()
-    _die_with_parent()
-    if os.getppid() != parent:  # the parent went before the line above took effect
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(owner)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])  # readable when the owner has exited
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(owner, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    continue
         os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:  # gone before the watch began
+        os._exit(1)
+
+
+def _worker(tasks, results, spec, owner: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner stops us
+    _die_with(owner)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        try:
+            while True:
+                task = tasks.recv()
+                inbox.put(task)
+                if task is None:
+                    return
+        except (EOFError, OSError):  # the owner closed its end
+            inbox.put(None)
+
+    def send() -> None:
+        while (result := outbox.get()) is not None:
+            try:
+                results.send(result)
+            except OSError:  # the owner is gone
+                os._exit(1)
+
+    threading.Thread(target=receive, name="tasks", daemon=True).start()
+    sender = threading.Thread(target=send, name="results")
+    sender.start()
     from rwkvx_cli.data.encode import Encoder
 
     try:
         encoder = Encoder(spec)
     except Exception as e:
-        results.put(_Crash(f"cannot start a tokenizer worker: {e}"))
-        return
-    while (task := tasks.get()) is not None:
-        try:
-            result = encoder.run(task)
-        except DataError as e:
-            result = _Crash(str(e))
-        except Exception as e:  # a bug: say what, in order, instead of a hang
-            result = _Crash(f"tokenizer worker failed: {type(e).__name__}: {e}")
-        results.put(result)
+        encoder = None
+        failure = _Crash(f"cannot start a tokenizer worker: {e}")
+    while (task := inbox.get()) is not None:
+        if encoder is None:
+            result = failure
+        else:
+            try:
+                result = encoder.run(task)
+            except DataError as e:
+                result = _Crash(str(e))
+            except Exception as e:  # a bug: say what, in order, instead of a hang
+                result = _Crash(f"tokenizer worker failed: {type(e).__name__}: {e}")
+        outbox.put(result)
+    outbox.put(None)
+    sender.join()

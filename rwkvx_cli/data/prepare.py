@@ -37,7 +37,7 @@ import numpy as np
 
 from rwkvx_cli.data import corpus
 from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, write_index
-from rwkvx_cli.data.cuts import PIECE_CHARS, rule_for
+from rwkvx_cli.data.cuts import rule_for
 from rwkvx_cli.data.encode import (
     Encoder,
     EncoderSpec,
@@ -196,7 +196,7 @@ def prepare(
                 "num_shards": num_shards,
                 "shard_index": shard_index,
                 "unit_bytes": unit_bytes,
-                "piece_chars": PIECE_CHARS,
+                "piece_chars": corpus.PIECE_CHARS,
                 "max_chars": corpus._MAX_CARRY,
                 "version": META_VERSION,
             }
@@ -222,18 +222,17 @@ def prepare(
                 text_field=text_field,
                 skip_bad=skip_bad,
                 rule=rule.name,
-                piece_chars=PIECE_CHARS,
+                piece_chars=corpus.PIECE_CHARS,
                 max_chars=corpus._MAX_CARRY,
             )
             if state is None:
                 work.mkdir()
                 if kind == "bpe":
                     tok.save(trained)  # a resumed run must encode with this one, not train another
-                state = _new_state(job, len(inputs))
+                state = _new_state(job, len(inputs), dtype.name, rule.name)
                 _save_state(work, state)
             elif state["dtype"] != dtype.name or state["rule"] != rule.name:
                 raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
-            state.update(dtype=dtype.name, rule=rule.name)
 
             t0 = time.perf_counter()
             tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
@@ -300,12 +299,12 @@ def _tokenizer_id(kind, vocab_size, eod_id) -> dict:
 # -- the work directory ----------------------------------------------------------------------------------------------
 
 
-def _new_state(job: dict, n_inputs: int) -> dict:
+def _new_state(job: dict, n_inputs: int, dtype: str, rule: str) -> dict:
     return {
         "format": STATE_FORMAT,
         "job": job,
-        "dtype": None,
-        "rule": None,
+        "dtype": dtype,
+        "rule": rule,
         "units_done": 0,
         "bytes_done": 0,
         "tokens": 0,
