@@ -181,58 +181,59 @@ def prepare(
     read_options = {"text_field": text_field, "skip_bad": skip_bad}
     units = plan_units(inputs, sizes, num_shards, shard_index, unit_bytes)
 
-    claim_dir(out_dir, DATA_MARKER)
     work = out_dir / WORK_DIR
+    job = {
+        "inputs": [[str(p.resolve()), n, p.stat().st_mtime_ns] for p, n in zip(inputs, sizes, strict=True)],
+        "tokenizer": _tokenizer_id(tokenizer_kind, vocab_size, eod_id),
+        "text_field": text_field,
+        "skip_bad": skip_bad,
+        "num_shards": num_shards,
+        "shard_index": shard_index,
+        "unit_bytes": unit_bytes,
+        "piece_chars": corpus.PIECE_CHARS,
+        "max_chars": corpus._MAX_CARRY,
+        "version": META_VERSION,
+    }
+
+    # Nothing in out_dir changes until the tokenizer is made: a bad one leaves an earlier preparation intact.
+    t0 = time.perf_counter()
+    trained = work / "tokenizer.json"
+    if resume and tokenizer_kind == "bpe" and _load_state(work, job) is not None:
+        tok, kind, source = load_tokenizer(trained), "bpe", None  # the BPE trained before the interruption
+    else:
+        tok, kind, source = _make_tokenizer(tokenizer_kind, inputs, vocab_size, eod_id, read_options)
+    tok.encode_arrays(["warm"])  # builds a lazy engine (World's vocab trie): load time, not tokenization
+    rule = rule_for(tok)
+    tokenizer_seconds = time.perf_counter() - t0
+    dtype = dtype_for_vocab(tok.vocab_size)
+    spec = EncoderSpec(
+        kind=tok.kind,
+        tokenizer_json=tok.to_json() if tok.kind == "bpe" else None,
+        world_engine=getattr(tok, "engine", None),
+        eod_id=tok.eod_id,
+        dtype=dtype.name,
+        text_field=text_field,
+        skip_bad=skip_bad,
+        rule=rule.name,
+        piece_chars=corpus.PIECE_CHARS,
+        max_chars=corpus._MAX_CARRY,
+    )
+
+    claim_dir(out_dir, DATA_MARKER)
     with _hold(out_dir):
+        state = _load_state(work, job) if resume else None  # a refusal here keeps the partial preparation
+        if state is not None and (state["dtype"] != dtype.name or state["rule"] != rule.name):
+            raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
         try:
-            t0 = time.perf_counter()
-            trained = work / "tokenizer.json"
-            job_inputs = [[str(p.resolve()), s, p.stat().st_mtime_ns] for p, s in zip(inputs, sizes, strict=True)]
-            job = {
-                "inputs": job_inputs,
-                "tokenizer": _tokenizer_id(tokenizer_kind, vocab_size, eod_id),
-                "text_field": text_field,
-                "skip_bad": skip_bad,
-                "num_shards": num_shards,
-                "shard_index": shard_index,
-                "unit_bytes": unit_bytes,
-                "piece_chars": corpus.PIECE_CHARS,
-                "max_chars": corpus._MAX_CARRY,
-                "version": META_VERSION,
-            }
-            state = _load_state(work, job) if resume else None
-            if state is None:
-                shutil.rmtree(work, ignore_errors=True)
             (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
             _remove_stale_streams(out_dir)
-            if state is not None and tokenizer_kind == "bpe":
-                tok, kind, source = load_tokenizer(trained), "bpe", None
-            else:
-                tok, kind, source = _make_tokenizer(tokenizer_kind, inputs, vocab_size, eod_id, read_options)
-            tok.encode_arrays(["warm"])  # builds a lazy engine (World's vocab trie): load time, not tokenization
-            rule = rule_for(tok)
-            tokenizer_seconds = time.perf_counter() - t0
-            dtype = dtype_for_vocab(tok.vocab_size)
-            spec = EncoderSpec(
-                kind=tok.kind,
-                tokenizer_json=tok.to_json() if tok.kind == "bpe" else None,
-                world_engine=getattr(tok, "engine", None),
-                eod_id=tok.eod_id,
-                dtype=dtype.name,
-                text_field=text_field,
-                skip_bad=skip_bad,
-                rule=rule.name,
-                piece_chars=corpus.PIECE_CHARS,
-                max_chars=corpus._MAX_CARRY,
-            )
             if state is None:
+                shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
                 if kind == "bpe":
                     tok.save(trained)  # a resumed run must encode with this one, not train another
                 state = _new_state(job, len(inputs), dtype.name, rule.name)
                 _save_state(work, state)
-            elif state["dtype"] != dtype.name or state["rule"] != rule.name:
-                raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
 
             t0 = time.perf_counter()
             tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
@@ -247,8 +248,8 @@ def prepare(
                 tokenizer_seconds, tokenize_seconds, val_fraction, seed, text_field, n_workers,
                 num_shards, shard_index, tz.resumed_bytes, tz.resumed_text_bytes,
             )
-        except (DataError, UsageError):
-            # Bad input or options: nothing worth resuming.
+        except DataError:
+            # Bad input: nothing worth resuming.
             shutil.rmtree(work, ignore_errors=True)
             if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
                 (out_dir / DATA_MARKER).unlink()

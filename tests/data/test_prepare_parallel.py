@@ -308,10 +308,20 @@ def test_kill_9_then_resume_gives_the_same_bytes(tmp_path, slow_corpus):
     assert 0 < stats.resumed_bytes < stats.bytes
     _same_files(tmp_path / "ref", out)
     assert not (out / ".prepare").exists()
+    (out / ".prepare").mkdir()
+    (out / ".prepare" / "state.json").write_text(json.dumps({**state, "job": {**state["job"], "inputs": []}}))
     with pytest.raises(UsageError, match="with other inputs"):
-        (out / ".prepare").mkdir()
-        (out / ".prepare" / "state.json").write_text(json.dumps({**state, "job": {**state["job"], "inputs": []}}))
         prepare([corpus], out, tok, resume=True, **options)
+    assert (out / ".prepare" / "state.json").exists() and (out / "meta.json").exists()  # a refusal changes nothing
+
+
+def test_a_bad_tokenizer_leaves_an_earlier_preparation_intact(tmp_path):
+    from rwkvx_cli.data.prepare import read_prepared_meta
+
+    prepare([SHAKESPEARE], tmp_path / "out", "byte")
+    with pytest.raises(UsageError, match="is not a file"):
+        prepare([SHAKESPEARE], tmp_path / "out", tmp_path / "missing.json")
+    assert read_prepared_meta(tmp_path / "out")["split"] == "line"
 
 
 @pytest.mark.parametrize(
