@@ -238,6 +238,8 @@ def prepare(
             t0 = time.perf_counter()
             tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
             n_workers = min(workers, max(1, math.ceil(tz.bytes_left / batch_bytes)))
+            if n_workers > 1 and hasattr(tok, "unload"):
+                tok.unload()  # the workers encode; this process's World engine would only hold memory
             tz.run(spec, n_workers, batch_bytes)
             tokenize_seconds = time.perf_counter() - t0
 

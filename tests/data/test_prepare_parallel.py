@@ -353,3 +353,41 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_resume_finishes(tmp_path, slow
     assert "tokenizing" in done.stderr  # a plain progress line: stderr is not a terminal
     prepare([corpus], tmp_path / "ref", tok)
     _same_files(tmp_path / "ref", out)
+
+
+def test_many_documents_and_no_copy_file_range_give_the_same_bytes(tmp_path, monkeypatch):
+    import errno
+    import importlib
+
+    prep = importlib.import_module("rwkvx_cli.data.prepare")  # the package's `prepare` is the function
+
+    paths = golden_corpus(tmp_path / "in")
+    prepare(paths, tmp_path / "ref", "byte")
+    monkeypatch.setattr(prep, "_IN_MEMORY_DOCS", 10)  # the validation choice on memory maps
+
+    def unsupported(*args, **kwargs):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", unsupported)  # the splits copied through this process
+    prepare(paths, tmp_path / "out", "byte")
+    _same_files(tmp_path / "ref", tmp_path / "out")
+    assert not list((tmp_path / "out").glob(".*.tmp*"))
+
+
+def test_a_shard_without_input_is_an_empty_prepared_directory(tmp_path):
+    (tmp_path / "one.txt").write_text("A single document, so one of two shards holds nothing.\n" * 20)
+    for i in range(2):
+        prepare([tmp_path / "one.txt"], tmp_path / f"s{i}", "byte", num_shards=2, shard_index=i)
+    metas = [json.loads((tmp_path / f"s{i}" / "meta.json").read_text()) for i in range(2)]
+    assert [m["documents"] for m in metas] == [0, 1] and metas[0]["tokens"] == 0 and metas[0]["sources"] == []
+    corpus = open_prepared([tmp_path / "s0", tmp_path / "s1"])
+    assert corpus.weights == [0, metas[1]["train"]["tokens"]] and len(corpus.val) == metas[1]["val"]["tokens"]
+
+
+def test_cli_options_are_checked_in_one_line(tmp_path):
+    (tmp_path / "a.txt").write_text("text\n")
+    base = [sys.executable, "-m", "rwkvx_cli", "data", "prepare", str(tmp_path / "a.txt"), "--out", str(tmp_path / "o")]
+    bad = subprocess.run([*base, "--num-shards", "2", "--shard-index", "2"], env=_env(), capture_output=True, text=True)
+    assert bad.returncode == 2 and bad.stderr.strip() == "error: shard_index must be in 0..1 (num_shards 2), got 2"
+    ok = subprocess.run([*base, "--workers", "3", "--val-fraction", "0"], env=_env(), capture_output=True, text=True)
+    assert ok.returncode == 0 and "prepared 1 documents" in ok.stdout and "tokenizing" in ok.stderr
