@@ -8,11 +8,12 @@ consecutive lines of log-normal length (median 2,500 characters, capped at 200,0
 breaks) or as prose (each speech one paragraph, speeches one per line, as in web text). For each tokenizer (`bpe`:
 byte-level BPE of 8,192 ids trained on the source text) it measures, in this run, the tokenizer alone on one core
 (documents encoded one at a time, JSON parsing not timed; for BPE also in batches, the faster counts), then
-`prepare` with each worker count, and reports MB/s of document text, tokens/s and the ratios: workers 1 against the
-tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as `rwkvx data prepare` does;
-its anonymous memory (RssAnon: not the file pages of memory-mapped outputs) and its workers' are sampled every
-0.1 s. The load average is recorded before and after each measurement, because a shared machine's other users skew
-it. Prints a table and, with --json, writes every figure.
+`prepare` with each worker count, and reports MB/s of document text (over the whole tokenizing phase, and "steady":
+from the first task's result to the last, without the workers' start-up), tokens/s and the ratios: workers 1
+against the tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as
+`rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped outputs) and its
+workers' are sampled every 0.1 s. The load average is recorded before and after each measurement, because a
+shared machine's other users skew it. Prints a table and, with --json, writes every figure.
 """
 
 from __future__ import annotations
@@ -179,11 +180,15 @@ class MemorySampler:
 _CHILD = """
 import json, sys, time
 from rwkvx_cli.data import prepare
+seen = []
 t0 = time.perf_counter()
-s = prepare([sys.argv[1]], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]))
+s = prepare([sys.argv[1]], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]),
+            on_progress=lambda p: seen.append((time.perf_counter(), p.bytes_done)))
+done = [(t, b) for t, b in seen if b > 0]
+steady = (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0]) if len(done) > 2 else None
 print(json.dumps({"wall": time.perf_counter() - t0, "tokenize": s.tokenize_seconds, "load": s.tokenizer_seconds,
                   "text_bytes": s.text_bytes, "bytes": s.bytes, "tokens": s.train_tokens + s.val_tokens,
-                  "documents": s.documents, "workers": s.workers, "cut_rule": s.cut_rule}))
+                  "documents": s.documents, "workers": s.workers, "cut_rule": s.cut_rule, "steady": steady}))
 """
 
 
@@ -210,6 +215,8 @@ def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) ->
         "text_mb_per_s": r["text_bytes"] / 1e6 / r["tokenize"],
         "input_mb_per_s": r["bytes"] / 1e6 / r["tokenize"],
         "tokens_per_s": r["tokens"] / r["tokenize"],
+        # From the first task's result to the last: without starting the workers and loading their tokenizers.
+        "steady_text_mb_per_s": r["steady"] * r["text_bytes"] / r["bytes"] / 1e6 if r["steady"] else None,
         "tokenize_seconds": r["tokenize"],
         "wall_seconds": r["wall"],
         "split_and_write_seconds": r["wall"] - r["tokenize"] - r["load"],
@@ -290,6 +297,9 @@ def main(argv: list[str] | None = None) -> int:
                 for n, r in runs.items():
                     if n != "1":
                         entry[f"workers_{n}_vs_1"] = r["text_mb_per_s"] / runs["1"]["text_mb_per_s"]
+                        if r["steady_text_mb_per_s"] and runs["1"]["steady_text_mb_per_s"]:
+                            steady = r["steady_text_mb_per_s"] / runs["1"]["steady_text_mb_per_s"]
+                            entry[f"workers_{n}_vs_1_steady"] = steady
                 entry["hours_per_tb_by_cores"] = projection(runs["1"]["text_mb_per_s"], entry.get("workers_2_vs_1"))
             report["tokenizers"][kind] = entry
             _print_entry(kind, entry)
@@ -310,7 +320,9 @@ def _print_entry(kind: str, e: dict) -> None:
     for n, r in e["prepare"].items():
         mem = r.get("peak_rss_anon_mb")
         extra = f", peak RssAnon main {mem['main']:.0f} MB, worker {mem['largest_worker']:.0f} MB" if mem else ""
-        print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s, {r['tokens_per_s'] / 1e6:.2f}M tokens/s, "
+        steady = f" (steady {r['steady_text_mb_per_s']:.1f})" if r.get("steady_text_mb_per_s") else ""
+        print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s{steady}, "
+              f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s, "
               f"split+write {r['split_and_write_seconds']:.1f} s (load {r['load_before']} -> {r['load_after']}){extra}")
     for key in sorted(k for k in e if k.startswith("workers_")):
         print(f"  {key.replace('_', ' ')}: {e[key]:.2f}x")
