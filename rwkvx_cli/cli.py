@@ -12,18 +12,13 @@ import typer
 from rwkvx_cli import __version__
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import check_output, write_json
-from rwkvx_cli.render import OneLineErrors, err, out, reports_errors, warning
+from rwkvx_cli.render import OneLineErrors, err, one_line_warning, out, reports_errors, warn_skipped
 from rwkvx_cli.train import signals
 from rwkvx_cli.train.signals import Terminated
 
-app = typer.Typer(
-    name="rwkvx",
-    cls=OneLineErrors,
-    help="Pretraining tool for RWKV-family recurrent language models.",
-    no_args_is_help=True,
-    add_completion=False,
-    pretty_exceptions_enable=False,
-)
+HELP = "Pretraining tool for RWKV-family recurrent language models."
+app = typer.Typer(name="rwkvx", cls=OneLineErrors, help=HELP, no_args_is_help=True, add_completion=False)
+app.pretty_exceptions_enable = False  # a bug's traceback stays plain
 
 
 def _version(value: bool) -> None:
@@ -38,10 +33,6 @@ Version = Annotated[bool, typer.Option("--version", callback=_version, is_eager=
 @app.callback()
 def _root(version: Version = False):
     pass
-
-
-def _warn_skipped(path: Path, reason: str) -> None:
-    warning(f"skipping damaged checkpoint {path.name}: {reason}")
 
 
 Names = list[str] | None  # a repeatable option
@@ -117,7 +108,7 @@ def train(
         dist = distributed.from_env()
         out.quiet = not dist.is_main  # rank 0 reports; errors (stderr) still come from every rank
         with TrainConsole(cfg, dist) as console:
-            events = dict(on_event=console.on_event, on_skip=_warn_skipped, data_progress=data_progress)
+            events = dict(on_event=console.on_event, on_skip=warn_skipped, data_progress=data_progress)
             result = run_training(cfg, resume, dist, allow_change=allow_change or (), **events)
         if result.stopped:
             signals.ignore_stop_signals()
@@ -167,14 +158,14 @@ def eval_cmd(
         from rwkvx_cli.evaluation.validation import eval_checkpoint
 
         sample = dict(prompt=generate, n_tokens=tokens, temperature=temperature, top_p=top_p, seed=seed)
-        render_eval(eval_checkpoint(checkpoint, data_dir, on_skip=_warn_skipped, **sample), json_out)
+        render_eval(eval_checkpoint(checkpoint, data_dir, on_skip=warn_skipped, **sample), json_out)
         return
     if generate is not None:
         raise UsageError("--generate and --tasks do not go together; run them separately")
     from rwkvx_cli.evaluation.harness import run_tasks
 
     harness = dict(batch_size=batch_size, bootstrap_iters=bootstrap_iters, seed=seed, force=force, **task_options)
-    scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=_warn_skipped, **harness)
+    scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=warn_skipped, **harness)
     render_tasks(scores, json_out, output)
 
 
@@ -201,7 +192,7 @@ def explain(
 
     pictures.check_outputs(json_path, html_path, png_path, force)
     writers = ((json_path, pictures.write_json), (html_path, pictures.write_html), (png_path, pictures.write_png))
-    result = explain_checkpoint(checkpoint, text, target, per_layer, epsilon, data_dir, on_skip=_warn_skipped)
+    result = explain_checkpoint(checkpoint, text, target, per_layer, epsilon, data_dir, on_skip=warn_skipped)
     print_wide(pictures.relevance_table(result))
     for path, write in writers:
         if path is not None:
@@ -229,7 +220,7 @@ def export(
     """Write a checkpoint as RWKV-LM's state dict (.pth, tensors only) or as safetensors."""
     from rwkvx_cli.runs.export import export_checkpoint
 
-    info = export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=_warn_skipped, force=force)
+    info = export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=warn_skipped, force=force)
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})", markup=False)
 
 
@@ -295,57 +286,56 @@ data_app = typer.Typer(help="Prepare tokenized data.", no_args_is_help=True)
 app.add_typer(data_app, name="data")
 
 
+Inputs = Annotated[
+    list[str], typer.Argument(help="Files, folders or globs: .txt, .jsonl(.gz/.zst), .parquet.", show_default=False)
+]
+OutDir = Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")]
+Tokenizer = Annotated[str, typer.Option(help="byte, bpe, world, or a tokenizer.json path.")]
+VocabSize = Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")]
+Fraction = Annotated[float, typer.Option(min=0.0, max=1.0, help="Held-out share of the tokens.")]
+TextField = Annotated[str, typer.Option(help="The document text's field in JSONL records and parquet.")]
+SkipBad = Annotated[bool, typer.Option("--skip-bad", help="Skip (and count) bad records instead of stopping.")]
+EodId = Annotated[int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")]
+Workers = Annotated[int | None, typer.Option(min=1, help="Tokenizing processes (default: the cores available).")]
+Shards = Annotated[int, typer.Option(min=1, help="Split the inputs into K disjoint shards (machines).")]
+ShardIndex = Annotated[int, typer.Option(min=0, help="The shard to prepare, 0..K-1.")]
+Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted prepare of the same inputs.")]
+
+
 @data_app.command("prepare")
 @reports_errors
 def data_prepare(
-    inputs: Annotated[
-        list[str],
-        typer.Argument(
-            help="Files, directories or glob patterns: .txt, .jsonl, .jsonl.gz, .jsonl.zst, .parquet.",
-            show_default=False,
-        ),
-    ],
-    out_dir: Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")],
-    tokenizer: Annotated[str, typer.Option(help="byte, bpe, world, or a tokenizer.json path.")] = "byte",
-    vocab_size: Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")] = None,
-    val_fraction: Annotated[float, typer.Option(min=0.0, max=1.0)] = 0.05,
+    inputs: Inputs,
+    out_dir: OutDir,
+    tokenizer: Tokenizer = "byte",
+    vocab_size: VocabSize = None,
+    val_fraction: Fraction = 0.05,
     seed: int = 0,
-    text_field: Annotated[str, typer.Option(help="The document text's field in JSONL records and parquet.")] = "text",
-    skip_bad: Annotated[
-        bool, typer.Option("--skip-bad", help="Skip (and count) bad records instead of stopping at the first.")
-    ] = False,
-    eod_id: Annotated[
-        int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")
-    ] = None,
+    text_field: TextField = "text",
+    skip_bad: SkipBad = False,
+    eod_id: EodId = None,
+    workers: Workers = None,
+    num_shards: Shards = 1,
+    shard_index: ShardIndex = 0,
+    resume: Resume = False,
 ) -> None:
-    """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split."""
+    """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split, on every core."""
     from rwkvx_cli.data import prepare
-    from rwkvx_cli.render import data_progress, render_prepared
+    from rwkvx_cli.render import prepare_progress, render_prepared
 
-    with data_progress() as update:
+    options = dict(tokenizer_kind=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed)
+    options |= dict(eod_id=eod_id, text_field=text_field, skip_bad=skip_bad, workers=workers, resume=resume)
+    with prepare_progress() as on_progress:
         stats = prepare(
-            list(inputs),
-            out_dir,
-            tokenizer_kind=tokenizer,
-            vocab_size=vocab_size,
-            val_fraction=val_fraction,
-            seed=seed,
-            progress=update,
-            eod_id=eod_id,
-            text_field=text_field,
-            skip_bad=skip_bad,
+            list(inputs), out_dir, on_progress=on_progress, num_shards=num_shards, shard_index=shard_index, **options
         )
     render_prepared(stats)
-
-
-def _one_line_warning(message, category, filename, lineno, file=None, line=None):
-    warning(str(message))
 
 
 def main() -> None:
     import warnings
 
-    warnings.showwarning = _one_line_warning
+    warnings.showwarning = one_line_warning
     signals.install_process_handlers()  # SIGTERM unwinds like Ctrl-C (exit 143); EFBIG instead of SIGXFSZ
     try:
         app()

@@ -40,6 +40,16 @@ def warning(message: str) -> None:
     err.print(f"[yellow]warning:[/] {escape(message)}", soft_wrap=True)
 
 
+def one_line_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """warnings.showwarning for the command line: a warning is one line, without its source line."""
+    warning(str(message))
+
+
+def warn_skipped(path: Path, reason: str) -> None:
+    """A damaged checkpoint passed over for an older one."""
+    warning(f"skipping damaged checkpoint {path.name}: {reason}")
+
+
 class OneLineErrors(TyperGroup):
     """Typer's own usage errors (a missing option, a value not among the choices) as one line,
     like every other error of the tool, instead of a framed panel."""
@@ -219,6 +229,7 @@ def render_tasks(scores, as_json: bool, output: Path | None) -> None:
 
 def render_prepared(stats) -> None:
     out.print(prepared_line(stats), soft_wrap=True)
+    prepare_warnings(stats)
     if stats.skipped_records:
         warning(f"skipped {stats.skipped_records:,} bad records (first: {stats.first_skipped})")
 
@@ -239,6 +250,68 @@ def data_progress():
     task = progress.add_task("tokenizing", total=None)
     with progress:
         yield lambda done, total: progress.update(task, completed=done, total=total)
+
+
+@contextlib.contextmanager
+def prepare_progress(interval: float = 30.0):
+    """`data prepare`'s progress, as `train` shows its own: on a terminal a bar (erased when done) with MB/s,
+    documents, tokens and the ETA from the input sizes; otherwise (a pipe, nohup, SLURM) a plain line on stderr
+    every `interval` seconds and one when the input is read. Yields the callback for PrepareProgress reports."""
+    if err.is_terminal:
+        from rich.progress import BarColumn, Progress, TextColumn
+
+        bar = Progress(
+            "[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[info]}"),
+            console=err, transient=True,
+        )
+        task = bar.add_task("tokenizing", total=None, info="")
+        with bar:
+            yield lambda p: bar.update(task, completed=p.bytes_done, total=p.bytes_total, info=prepare_status(p))
+        return
+    import time
+
+    last = [time.monotonic()]
+
+    def report(p) -> None:
+        now = time.monotonic()
+        if (p.bytes_done >= p.bytes_total and p.bytes_total) or now - last[0] >= interval:
+            last[0] = now
+            err.print(f"tokenizing {prepare_status(p)}", markup=False, soft_wrap=True, highlight=False)
+
+    yield report
+
+
+def prepare_status(p) -> str:
+    """'12.3/45.6 MB (27%) · 1,234 docs · 5.60M tokens · 10.2 MB/s · ETA 3m05s' of a PrepareProgress."""
+    share = f" ({100 * p.bytes_done / p.bytes_total:.0f}%)" if p.bytes_total else ""
+    eta = p.eta_seconds
+    tail = f" · ETA {fmt_seconds(eta)}" if eta is not None and p.bytes_done < p.bytes_total else ""
+    return (
+        f"{p.bytes_done / 1e6:,.1f}/{p.bytes_total / 1e6:,.1f} MB{share} · {p.documents:,} docs · "
+        f"{fmt_count(p.tokens)} tokens · {p.mb_per_s:.1f} MB/s{tail}"
+    )
+
+
+def prepare_warnings(stats) -> None:
+    """What a prepare's summary line leaves out: that it resumed, and long documents cut with no safe point."""
+    if stats.resumed_bytes:
+        err.print(
+            f"resumed: {stats.resumed_bytes / 1e6:,.1f} of {stats.bytes / 1e6:,.1f} MB were tokenized before",
+            markup=False, soft_wrap=True,
+        )
+    if stats.forced_cuts:
+        err.print(
+            f"[yellow]warning:[/] {stats.forced_cuts:,} cuts in long runs without a point where the tokenizer may "
+            f"be cut (its safe cuts: {stats.cut_rule}); near them the ids may differ from encoding the whole document",
+            soft_wrap=True,
+        )
+
+
+def fmt_seconds(s: float) -> str:
+    s = int(round(s))
+    if s >= 3600:
+        return f"{s // 3600}h{s % 3600 // 60:02d}m"
+    return f"{s // 60}m{s % 60:02d}s" if s >= 60 else f"{s}s"
 
 
 def fmt_count(n: float) -> str:

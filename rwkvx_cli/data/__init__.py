@@ -1,4 +1,8 @@
-"""The data layer: tokenizers, token files (binidx, raw), corpus reading and preparation, and batch sampling."""
+"""The data layer: tokenizers, token files (binidx, raw), corpus reading and preparation, and batch sampling.
+
+The samplers (torch) are imported on first use: `prepare`'s worker processes import this package and need
+neither torch's start-up time (1-2 s) nor its memory (~200 MB each).
+"""
 
 from rwkvx_cli.data.binidx import (
     BinIdx,
@@ -10,15 +14,8 @@ from rwkvx_cli.data.binidx import (
 )
 from rwkvx_cli.data.corpus import SUPPORTED, expand_inputs, iter_pieces
 from rwkvx_cli.data.errors import DataError
-from rwkvx_cli.data.prepare import PrepareStats, prepare
-from rwkvx_cli.data.sampler import (
-    EpochSampler,
-    MixtureSampler,
-    StreamSampler,
-    WindowSampler,
-    permute,
-    sequential_windows,
-)
+from rwkvx_cli.data.prepare import PrepareProgress, PrepareStats, prepare
+from rwkvx_cli.data.prepared import PreparedCorpus, TokenChain, open_prepared
 from rwkvx_cli.data.tokenizer import (
     EOD_ID,
     EOD_TOKEN,
@@ -28,6 +25,17 @@ from rwkvx_cli.data.tokenizer import (
     train_tokenizer,
 )
 from rwkvx_cli.data.world import WorldTokenizer
+
+_SAMPLER_NAMES = ("EpochSampler", "MixtureSampler", "StreamSampler", "WindowSampler", "permute", "sequential_windows")
+
+
+def __getattr__(name: str):
+    if name in _SAMPLER_NAMES:
+        from rwkvx_cli.data import sampler
+
+        return getattr(sampler, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "EOD_ID",
@@ -40,15 +48,19 @@ __all__ = [
     "DataError",
     "EpochSampler",
     "MixtureSampler",
+    "PrepareProgress",
     "PrepareStats",
+    "PreparedCorpus",
     "RawTokens",
     "StreamSampler",
+    "TokenChain",
     "WindowSampler",
     "WorldTokenizer",
     "dtype_for_vocab",
     "expand_inputs",
     "iter_pieces",
     "load_tokenizer",
+    "open_prepared",
     "open_tokens",
     "permute",
     "prepare",

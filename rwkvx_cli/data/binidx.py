@@ -13,9 +13,10 @@ Every reader here exposes `.tokens` (a 1-D array, memory-mapped), `len()` (the n
 from __future__ import annotations
 
 import array
+import errno
 import os
 import struct
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import numpy as np
@@ -143,6 +144,59 @@ class BinIdxWriter:
             self.abort()
 
 
+def write_index(path: Path, dtype, n: int, size_chunks: Callable[[], Iterable[np.ndarray]]) -> None:
+    """Write (and sync) a binidx index of `n` sequences whose sizes `size_chunks()` yields in chunks; it is called
+    twice (sizes, then pointers), so the sizes are never all in memory. The bytes equal BinIdxWriter's."""
+    dtype = np.dtype(dtype)
+    with open(path, "wb") as f:
+        f.write(_HEADER.pack(MAGIC, VERSION, _dtype_code(dtype), n, n + 1))
+        count = 0
+        for chunk in size_chunks():
+            if chunk.size and int(chunk.max()) > np.iinfo(np.int32).max:
+                i = count + int(np.argmax(chunk > np.iinfo(np.int32).max))
+                raise DataError(f"document {i} has {int(chunk.max())} tokens; binidx sizes are int32")
+            f.write(chunk.astype("<i4").tobytes())
+            count += chunk.size
+        if count != n:
+            raise ValueError(f"{count} sizes for an index of {n} sequences")
+        at = 0
+        for chunk in size_chunks():
+            ends = np.cumsum(chunk, dtype=np.int64) * dtype.itemsize + at
+            starts = np.concatenate([[at], ends[:-1]]) if chunk.size else ends
+            f.write(starts.astype("<i8").tobytes())
+            at = int(ends[-1]) if chunk.size else at
+        for a in range(0, n + 1, _WRITE_CHUNK):
+            f.write(np.arange(a, min(n + 1, a + _WRITE_CHUNK), dtype="<i8").tobytes())
+        fsync_file(f)
+
+
+def copy_range(src: int, dst: int, offset: int, length: int) -> None:
+    """Append `length` bytes of file descriptor `src` from `offset` to `dst`, in the kernel where it can
+    (copy_file_range: no copy through this process)."""
+    end = offset + length
+    fast = hasattr(os, "copy_file_range")
+    while offset < end:
+        if fast:
+            try:
+                done = os.copy_file_range(src, dst, end - offset, offset)
+            except OSError as e:
+                if e.errno not in (errno.EXDEV, errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+                fast = False
+                continue
+            if done == 0:
+                raise DataError(f"token stream ended {end - offset} bytes early (truncated?)")
+        else:
+            block = os.pread(src, min(end - offset, 1 << 24), offset)
+            if not block:
+                raise DataError(f"token stream ended {end - offset} bytes early (truncated?)")
+            view = memoryview(block)
+            while view:
+                view = view[os.write(dst, view) :]
+            done = len(block)
+        offset += done
+
+
 def write_binidx(prefix: str | os.PathLike, documents: Iterable[np.ndarray], dtype) -> np.ndarray:
     """Write `prefix.bin` and `prefix.idx`, one sequence per document; returns the document sizes (int64).
 
@@ -167,7 +221,8 @@ def _check_fits(arr: np.ndarray, dtype: np.dtype) -> int | None:
     return int(np.flatnonzero((arr < info.min) | (arr > info.max))[0])
 
 
-def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
+def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str, offset: int = 0) -> None:
+    """`offset`: where `tokens` start in what the message names."""
     if tokens.dtype.kind not in "iu":
         raise DataError(f"{what} holds {tokens.dtype} values, not integer token ids")
     for start in range(0, len(tokens), _SCAN_CHUNK):
@@ -177,7 +232,7 @@ def _check_vocab(tokens: np.ndarray, vocab_size: int, what: str) -> None:
         wide = part.astype(np.int64)
         pos = int(np.flatnonzero((wide >= vocab_size) | (wide < 0))[0])
         raise DataError(
-            f"{what}: token id {int(wide[pos])} at position {start + pos} is outside the vocabulary "
+            f"{what}: token id {int(wide[pos])} at position {offset + start + pos} is outside the vocabulary "
             f"(size {vocab_size}); was it prepared with another tokenizer?"
         )
 

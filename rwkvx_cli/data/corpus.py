@@ -1,14 +1,14 @@
-"""Reading a corpus as documents cut into tokenizer-safe pieces, streaming (memory bounded by one block or line).
+"""Reading a corpus: input types, directories and globs, and documents as pieces, streaming (memory bounded by one
+block or line).
 
 Inputs (`SUPPORTED`): `.txt` is one UTF-8 document; `.jsonl` / `.ndjson` hold one document per line (a JSON object
 whose `text_field`, default "text", is a string); either may be compressed as `.gz` or `.zst`; `.parquet` holds one
 document per row of the `text_field` column. `expand_inputs` turns directories and glob patterns into such files and
 refuses any other file type.
 
-Long text is cut into pieces of about PIECE_CHARS characters, only right after a newline followed by a non-space
-character: no byte-level BPE pre-token and no World token crosses such a point, so encoding the pieces one by one (in
-parallel) gives the same ids as encoding the whole text. Those cuts are also the line boundaries where `prepare` may
-split a single document.
+`iter_pieces` yields a file's documents in pieces of about PIECE_CHARS characters, cut where `cuts.py` says (by
+default only after a newline followed by a non-space character); `prepare` reads through `encode.py`, which uses the
+helpers here with the cut rule of its tokenizer.
 """
 
 from __future__ import annotations
@@ -16,18 +16,16 @@ from __future__ import annotations
 import codecs
 import glob
 import json
-import re
 import zlib
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+from rwkvx_cli.data.cuts import LINES_ONLY, MAX_PIECE_CHARS, PIECE_CHARS, CutRule, cut_text, split_pieces
 from rwkvx_cli.data.errors import DataError
 
-PIECE_CHARS = 8192
 _BLOCK_BYTES = 1 << 22
-_MAX_CARRY = 1 << 24  # text without any safe cut is emitted anyway past this many characters
-_SAFE_CUT = re.compile(r"\n(?=\S)")
+_MAX_CARRY = MAX_PIECE_CHARS  # text without any safe cut is cut anyway past this many characters (a forced cut)
 _PARQUET_ROWS = 1024  # rows per record batch read from a parquet file
 JSONL_SUFFIXES = (".jsonl", ".ndjson")
 COMPRESSIONS = (".gz", ".zst")
@@ -139,36 +137,11 @@ def expand_inputs(inputs: Iterable[str | Path]) -> list[Path]:
     return out
 
 
-def _last_cut(text: str, lo: int, hi: int) -> int | None:
-    i = text.rfind("\n", lo, hi)
-    while i >= lo:
-        if i + 1 < len(text) and _SAFE_CUT.match(text, i):
-            return i + 1
-        i = text.rfind("\n", lo, i)
-    return None
-
-
-def split_pieces(text: str, size: int | None = None) -> list[str]:
-    """Cut `text` at safe points into pieces of about `size` characters (longer where no safe point exists)."""
-    size = size or PIECE_CHARS
-    pieces, start = [], 0
-    while len(text) - start > size:
-        cut = _last_cut(text, start + 1, start + size)
-        if cut is None:
-            m = _SAFE_CUT.search(text, start + size)
-            if m is None:
-                break
-            cut = m.end()
-        pieces.append(text[start:cut])
-        start = cut
-    pieces.append(text[start:])
-    return pieces
-
-
-def _decompressed(f, compression: str | None, path: Path) -> Iterator[tuple[bytes, int]]:
+def decompressed(f, compression: str | None, path: Path, block_bytes: int = 0) -> Iterator[tuple[bytes, int]]:
     """(data, input bytes read for it) blocks of a file object, decompressed; a cut-off stream is a DataError."""
+    block_bytes = block_bytes or _BLOCK_BYTES
     if compression is None:
-        while block := f.read(_BLOCK_BYTES):
+        while block := f.read(block_bytes):
             yield block, len(block)
         return
     if compression == "gz":
@@ -180,7 +153,7 @@ def _decompressed(f, compression: str | None, path: Path) -> Iterator[tuple[byte
         new, errors = dctx.decompressobj, (zstandard.ZstdError,)
     d, started = new(), False
     try:
-        while raw := f.read(_BLOCK_BYTES):
+        while raw := f.read(block_bytes):
             pending, nbytes = raw, len(raw)
             while pending:
                 out = d.decompress(pending)
@@ -198,7 +171,7 @@ def _decompressed(f, compression: str | None, path: Path) -> Iterator[tuple[byte
         raise DataError(f"{path} is truncated: the .{compression} stream ends before its end marker")
 
 
-def _text_pieces(path: Path, blocks: Iterator[tuple[bytes, int]]) -> Iterator[Piece]:
+def _text_pieces(path: Path, blocks: Iterator[tuple[bytes, int]], rule: CutRule = LINES_ONLY) -> Iterator[Piece]:
     decoder = codecs.getincrementaldecoder("utf-8")("strict")
     carry, offset = "", 0
     while True:
@@ -209,9 +182,11 @@ def _text_pieces(path: Path, blocks: Iterator[tuple[bytes, int]]) -> Iterator[Pi
         except UnicodeDecodeError as e:
             raise DataError(f"{path} is not UTF-8 text (invalid byte near offset {offset + e.start})") from None
         offset += len(block or b"")
-        pieces = split_pieces(carry)
-        # Keep the uncut tail: the next block may continue its line.
-        carry = "" if final or len(pieces[-1]) > _MAX_CARRY else pieces.pop()
+        # The undecided tail waits for the next block (it may continue its line); cut_text bounds it.
+        cuts, rest = cut_text(carry, rule, PIECE_CHARS, _MAX_CARRY, final=final)
+        bounds = [0, *(c for c, _ in cuts)] + ([len(carry)] if final else [])
+        pieces = [carry[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+        carry = carry[rest:]
         for i, p in enumerate(pieces):
             if p or (final and i == len(pieces) - 1):
                 yield Piece(p, final and i == len(pieces) - 1, nbytes)
@@ -222,14 +197,19 @@ def _text_pieces(path: Path, blocks: Iterator[tuple[bytes, int]]) -> Iterator[Pi
             return
 
 
-def _document(text, field: str) -> str:
-    """The record's text, or a ValueError saying why the record is bad."""
+def document_bytes(text, field: str) -> int:
+    """The UTF-8 size of a record's text, or a ValueError saying why the record is bad."""
     if not isinstance(text, str):
         raise ValueError(f'expected a JSON object with a string "{field}" field')
     try:
-        text.encode("utf-8")
+        return len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
         raise ValueError(f'"{field}" contains an unpaired surrogate \\u{ord(text[e.start]):04x}') from None
+
+
+def document_text(text, field: str) -> str:
+    """The record's text, or a ValueError saying why the record is bad."""
+    document_bytes(text, field)
     return text
 
 
@@ -271,7 +251,7 @@ def _jsonl_record(path: Path, lineno: int, line: bytes, field: str, skipped: Ski
             raise ValueError(f"not valid JSON ({e})") from None
         if not isinstance(obj, dict):
             raise ValueError(f'expected a JSON object with a string "{field}" field')
-        text = _document(obj.get(field), field)
+        text = document_text(obj.get(field), field)
     except ValueError as e:
         message = f"{path}:{lineno}: {e}"
         if skipped is None:
@@ -281,11 +261,17 @@ def _jsonl_record(path: Path, lineno: int, line: bytes, field: str, skipped: Ski
     yield from _doc_pieces(text, 0)
 
 
-def _parquet_pieces(path: Path, field: str, skipped: Skipped | None) -> Iterator[Piece]:
+def parquet_modules():
     _needs("pyarrow", ".parquet files")
     import pyarrow as pa
     import pyarrow.parquet as pq
 
+    return pa, pq
+
+
+def open_parquet(path: Path, field: str):
+    """A pyarrow ParquetFile whose column `field` holds strings, or a DataError saying why not."""
+    pa, pq = parquet_modules()
     try:
         pf = pq.ParquetFile(path)
     except (pa.ArrowException, OSError) as e:
@@ -296,6 +282,12 @@ def _parquet_pieces(path: Path, field: str, skipped: Skipped | None) -> Iterator
     kind = schema.field(field).type
     if not _is_string(pa, kind):
         raise DataError(f"{path}: column {field!r} holds {kind}, not strings")
+    return pf
+
+
+def _parquet_pieces(path: Path, field: str, skipped: Skipped | None) -> Iterator[Piece]:
+    pa, _ = parquet_modules()
+    pf = open_parquet(path, field)
     size, rows = path.stat().st_size, max(pf.metadata.num_rows, 1)
     row, reported = 0, 0
     try:
@@ -342,7 +334,7 @@ def iter_pieces(
             yield from _parquet_pieces(path, text_field, skipped)
             return
         with open(path, "rb") as f:
-            blocks = _decompressed(f, fmt.compression, path)
+            blocks = decompressed(f, fmt.compression, path)
             if fmt.kind == "jsonl":
                 yield from _jsonl_pieces(path, blocks, text_field, skipped)
             else:

@@ -1,38 +1,98 @@
 """`prepare`: text corpus -> tokenizer + train/val binidx + meta.json.
 
-Inputs are read by `corpus.py` (.txt, .jsonl, .jsonl.gz/.zst, .parquet, directories and globs of those), streaming:
-tokens go to a temporary file as they come, so memory stays bounded for corpora larger than RAM. Every document
-becomes its tokens followed by the tokenizer's end-of-document id (0 unless a loaded tokenizer.json sets another).
-Validation holds out whole documents (chosen at random by `seed`, never more tokens than asked for) when there are at
-least two; a single document is cut at the line boundary nearest to the asked-for size, the head for training and the
-tail for validation (only the tail ends with the end-of-document id, since only it ends the document).
+Inputs are read by `corpus.py` (.txt, .jsonl, .jsonl.gz/.zst, .parquet, directories and globs of those), streaming,
+and tokenized in tasks of about `batch_bytes` of input (`encode.py`): in this process with one worker, else in worker
+processes (`pool.py`), results written in task order, so the output does not depend on the number of workers. Every
+document becomes its tokens followed by the tokenizer's end-of-document id (0 unless a loaded tokenizer.json sets
+another). Long documents are cut only where their tokenizer's rule says the pieces encode as the whole (`cuts.py`).
+
+Tokens go to a work directory `DIR/.prepare/` as they come (the token stream, the document sizes, a state file): memory
+stays bounded whatever the corpus size. After each unit of input (a file, or a slice of a large JSONL; `shards.py`)
+the state is synced, so `resume=True` continues after the last finished unit; the output is the same as a run never
+interrupted. Validation holds out whole documents (chosen at random by `seed`, never more tokens than asked for) when
+there are at least two; a single document is cut at the piece boundary after a line nearest to the asked-for size if
+one is within SPLIT_TOLERANCE of it, else exactly at it (split "tokens"), the head for training and the tail for
+validation (only the tail ends with the end-of-document id, since only it ends the document). `meta.json` is written
+last: a directory with one is complete.
+
+With `num_shards` K > 1, this prepares slice `shard_index` of K disjoint slices of the inputs (`shards.py`); a list of
+the K prepared directories reads as the whole corpus (`prepared.open_prepared`).
 """
 
 from __future__ import annotations
 
-import array
+import contextlib
+import hashlib
 import json
+import math
 import numbers
 import os
+import shutil
 import time
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data.binidx import BinIdxWriter, dtype_for_vocab
-from rwkvx_cli.data.corpus import Skipped, expand_inputs, iter_pieces
+from rwkvx_cli.data import corpus
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, write_index
+from rwkvx_cli.data.cuts import rule_for
+from rwkvx_cli.data.encode import (
+    Encoder,
+    EncoderSpec,
+    LinesTask,
+    Local,
+    PiecesTask,
+    RangeTask,
+    ReadFailure,
+    RowsTask,
+    UnitEnd,
+    count_line_starts,
+    default_workers,
+    unit_tasks,
+)
 from rwkvx_cli.data.errors import DataError
-from rwkvx_cli.data.tokenizer import NAMES, Tokenizer, load_tokenizer, train_tokenizer
+from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
+from rwkvx_cli.data.tokenizer import NAMES, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
+from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_dir, fsync_file
+
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - not POSIX: no lock
+    fcntl = None
 
 META_FORMAT = "rwkvx-prepared"
 META_VERSION = 1
-_BATCH_CHARS = 1 << 22  # text handed to one encode_batch call
+STATE_FORMAT = "rwkvx-prepare-state"
+WORK_DIR = ".prepare"
+BATCH_BYTES = 1 << 22  # input handed to one task
+SPLIT_TOLERANCE = 0.1  # a single document's line cut is taken within this share of the asked-for validation size
+_IN_MEMORY_DOCS = 1 << 22  # more documents than this: the validation choice works on memory maps
 
 Progress = Callable[[int, int], None]
+
+
+@dataclass(frozen=True)
+class PrepareProgress:
+    """What `prepare` reports after each task: input bytes done of the total, documents and tokens so far."""
+
+    bytes_done: int
+    bytes_total: int
+    documents: int
+    tokens: int
+    seconds: float  # since this run began tokenizing
+    resumed_bytes: int = 0  # bytes a resumed run found done
+
+    @property
+    def mb_per_s(self) -> float:
+        return (self.bytes_done - self.resumed_bytes) / 1e6 / max(self.seconds, 1e-9)
+
+    @property
+    def eta_seconds(self) -> float | None:
+        rate = (self.bytes_done - self.resumed_bytes) / max(self.seconds, 1e-9)
+        return (self.bytes_total - self.bytes_done) / rate if rate > 0 else None
 
 
 @dataclass(frozen=True)
@@ -47,32 +107,30 @@ class PrepareStats:
     val_tokens: int
     train_documents: int
     val_documents: int
-    split: str  # "documents", "line" (one document cut at a line), "tokens" (cut mid-line: no line boundary) or "none"
+    split: str  # "documents", "line" (one document cut after a line), "tokens" (cut at the asked-for size) or "none"
     tokenizer_seconds: float  # training or loading the tokenizer
     tokenize_seconds: float
     text_bytes: int = 0  # UTF-8 bytes of document text (`bytes` counts input files as on disk, compressed)
     skipped_records: int = 0  # bad records left out under skip_bad
     first_skipped: str | None = None  # the first one's "file:line: reason"
     eod_id: int = 0
+    cut_rule: str = "line"  # the cut kinds safe for the tokenizer (cuts.py)
+    forced_cuts: int = 0  # long documents cut where no safe point was (their ids may differ near the cut)
+    workers: int = 1
+    num_shards: int = 1
+    shard_index: int = 0
+    resumed_bytes: int = 0  # input bytes a resumed run found already tokenized
+    resumed_text_bytes: int = 0
 
     @property
     def mb_per_s(self) -> float:
-        """Tokenization throughput in MB (1e6 bytes) of input files per second."""
-        return self.bytes / 1e6 / max(self.tokenize_seconds, 1e-9)
+        """Tokenization throughput in MB (1e6 bytes) of input files per second (of this run)."""
+        return (self.bytes - self.resumed_bytes) / 1e6 / max(self.tokenize_seconds, 1e-9)
 
     @property
     def text_mb_per_s(self) -> float:
-        """Tokenization throughput in MB of document text (UTF-8) per second."""
-        return self.text_bytes / 1e6 / max(self.tokenize_seconds, 1e-9)
-
-
-@dataclass
-class _Tokenized:
-    doc_sizes: array.array  # tokens per kept document, eod included ("q": 8 bytes a document)
-    first_doc_cuts: list[int]  # token offsets of the safe cuts inside document 0
-    source_docs: list[int]  # kept documents per input file
-    text_bytes: int = 0
-    skipped: Skipped = field(default_factory=Skipped)
+        """Tokenization throughput in MB of document text (UTF-8) per second (of this run)."""
+        return (self.text_bytes - self.resumed_text_bytes) / 1e6 / max(self.tokenize_seconds, 1e-9)
 
 
 def prepare(
@@ -87,6 +145,13 @@ def prepare(
     eod_id: int | None = None,
     text_field: str = "text",
     skip_bad: bool = False,
+    workers: int | None = None,
+    num_shards: int = 1,
+    shard_index: int = 0,
+    resume: bool = False,
+    on_progress: Callable[[PrepareProgress], None] | None = None,
+    batch_bytes: int = BATCH_BYTES,
+    unit_bytes: int = UNIT_BYTES,
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_dir/{train,val}.{bin,idx}`, `out_dir/tokenizer.json` and `out_dir/meta.json`.
 
@@ -95,75 +160,462 @@ def prepare(
     id, default 0). `val_fraction` is a fraction of the tokens (float in [0, 1)) or a token count (int).
     `text_field` names the document text in JSONL records and parquet columns; a bad record stops with a DataError
     naming file and line, or with `skip_bad` is counted and left out. `progress(done, total)` is called with input
-    bytes read so far. Bad data raises DataError, bad options UsageError.
+    bytes read so far, `on_progress(PrepareProgress)` with documents and tokens too.
+
+    `workers` processes tokenize (default: the cores this process may use; 1: this process alone), in tasks of
+    about `batch_bytes` of input, at most two per worker in flight. `num_shards` > 1 prepares slice `shard_index`
+    only. `resume` continues a prepare of the same inputs and options that was interrupted, after its last
+    finished unit (a file, or `unit_bytes` of a JSONL file). The files written are the same for any `workers`,
+    `batch_bytes` or interruption. Bad data raises DataError, bad options UsageError.
     """
     if not inputs:
         raise UsageError("prepare needs at least one input file")
-    inputs = expand_inputs(inputs)
+    workers = default_workers() if workers is None else workers
+    _check_options(workers, num_shards, shard_index, batch_bytes, unit_bytes, tokenizer_kind)
+    inputs = corpus.expand_inputs(inputs)
     out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
     sizes = [p.stat().st_size for p in inputs]
-    total_bytes = sum(sizes)
     _check_val_fraction(val_fraction)
     if not isinstance(text_field, str) or not text_field:
         raise UsageError(f"text_field must be a non-empty field name, got {text_field!r}")
     read_options = {"text_field": text_field, "skip_bad": skip_bad}
+    units = plan_units(inputs, sizes, num_shards, shard_index, unit_bytes)
 
+    work = out_dir / WORK_DIR
+    job = {
+        "inputs": [[str(p.resolve()), n, p.stat().st_mtime_ns] for p, n in zip(inputs, sizes, strict=True)],
+        "tokenizer": _tokenizer_id(tokenizer_kind, vocab_size, eod_id),
+        "text_field": text_field,
+        "skip_bad": skip_bad,
+        "num_shards": num_shards,
+        "shard_index": shard_index,
+        "unit_bytes": unit_bytes,
+        "piece_chars": corpus.PIECE_CHARS,
+        "max_chars": corpus._MAX_CARRY,
+        "version": META_VERSION,
+    }
+
+    # Nothing in out_dir changes until the tokenizer is made: a bad one leaves an earlier preparation intact.
     t0 = time.perf_counter()
-    tok, kind, source = _make_tokenizer(tokenizer_kind, inputs, vocab_size, eod_id, read_options)
-    tok.encode_arrays(["warm"])  # builds a lazy engine (World's vocab trie): load time, not tokenization speed
+    trained = work / "tokenizer.json"
+    if resume and tokenizer_kind == "bpe" and _load_state(work, job) is not None:
+        tok, kind, source = load_tokenizer(trained), "bpe", None  # the BPE trained before the interruption
+    else:
+        tok, kind, source = _make_tokenizer(tokenizer_kind, inputs, vocab_size, eod_id, read_options)
+    tok.encode_arrays(["warm"])  # builds a lazy engine (World's vocab trie): load time, not tokenization
+    rule = rule_for(tok)
     tokenizer_seconds = time.perf_counter() - t0
     dtype = dtype_for_vocab(tok.vocab_size)
+    spec = EncoderSpec(
+        kind=tok.kind,
+        tokenizer_json=tok.to_json() if tok.kind == "bpe" else None,
+        world_engine=getattr(tok, "engine", None),
+        eod_id=tok.eod_id,
+        dtype=dtype.name,
+        text_field=text_field,
+        skip_bad=skip_bad,
+        rule=rule.name,
+        piece_chars=corpus.PIECE_CHARS,
+        max_chars=corpus._MAX_CARRY,
+    )
 
     claim_dir(out_dir, DATA_MARKER)
-    (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten directory
-    _remove_stale_streams(out_dir)
-    stream_path = out_dir / f".tokens.tmp{os.getpid()}"
-    try:
-        t0 = time.perf_counter()
-        tz = _tokenize(inputs, tok, dtype, stream_path, progress, total_bytes, read_options)
-        tokenize_seconds = time.perf_counter() - t0
-        doc_sizes = np.frombuffer(tz.doc_sizes, dtype=np.int64)
-        total = int(doc_sizes.sum())
-        if total == 0:
-            raise DataError(f"the corpus has no text ({', '.join(str(p) for p in inputs)})")
-        stream = np.memmap(stream_path, dtype=dtype, mode="r", shape=(total,))
-        n_docs = len(doc_sizes)
-        n_val = _val_tokens(val_fraction, total)
-        if n_val == 0 or n_docs >= 2:
-            split = "documents" if n_val else "none"
-            is_val = _choose_val_docs(doc_sizes, n_val, seed) if n_val else np.zeros(n_docs, dtype=bool)
-            train_sizes = _write_split(out_dir / "train", stream, doc_sizes, ~is_val, dtype)
-            val_sizes = _write_split(out_dir / "val", stream, doc_sizes, is_val, dtype)
-        else:
-            cut, split = _cut_single(total, n_val, tz.first_doc_cuts)
-            train_sizes = _write_split(out_dir / "train", stream[:cut], np.array([cut]), np.ones(1, bool), dtype)
-            val_sizes = _write_split(out_dir / "val", stream[cut:], np.array([total - cut]), np.ones(1, bool), dtype)
-        del stream  # release the map before the file goes
-    finally:
-        stream_path.unlink(missing_ok=True)
-        if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
-            (out_dir / DATA_MARKER).unlink()
+    with _hold(out_dir):
+        state = _load_state(work, job) if resume else None  # a refusal here keeps the partial preparation
+        if state is not None and (state["dtype"] != dtype.name or state["rule"] != rule.name):
+            raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
+        try:
+            (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
+            _remove_stale_streams(out_dir)
+            if state is None:
+                shutil.rmtree(work, ignore_errors=True)
+                work.mkdir()
+                if kind == "bpe":
+                    tok.save(trained)  # a resumed run must encode with this one, not train another
+                state = _new_state(job, len(inputs), dtype.name, rule.name)
+                _save_state(work, state)
 
-    tok.save(out_dir / "tokenizer.json")
+            t0 = time.perf_counter()
+            tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
+            n_workers = min(workers, max(1, math.ceil(tz.bytes_left / batch_bytes)))
+            if n_workers > 1 and hasattr(tok, "unload"):
+                tok.unload()  # the workers encode; this process's World engine would only hold memory
+            tz.run(spec, n_workers, batch_bytes)
+            tokenize_seconds = time.perf_counter() - t0
+
+            split_result = _split(work, out_dir, state, dtype, val_fraction, seed, num_shards > 1, inputs)
+            tok.save(out_dir / "tokenizer.json")
+            stats = _finish(
+                out_dir, inputs, sizes, units, state, tok, kind, source, dtype, split_result, rule.name,
+                tokenizer_seconds, tokenize_seconds, val_fraction, seed, text_field, n_workers,
+                num_shards, shard_index, tz.resumed_bytes, tz.resumed_text_bytes,
+            )
+        except DataError:
+            # Bad input: nothing worth resuming.
+            shutil.rmtree(work, ignore_errors=True)
+            if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
+                (out_dir / DATA_MARKER).unlink()
+            raise
+    shutil.rmtree(work, ignore_errors=True)
+    return stats
+
+
+def _check_options(workers, num_shards, shard_index, batch_bytes, unit_bytes, tokenizer_kind) -> None:
+    for name, value in (("workers", workers), ("num_shards", num_shards), ("batch_bytes", batch_bytes),
+                        ("unit_bytes", unit_bytes)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise UsageError(f"{name} must be a positive integer, got {value!r}")
+    if isinstance(shard_index, bool) or not isinstance(shard_index, int) or not 0 <= shard_index < num_shards:
+        raise UsageError(f"shard_index must be in 0..{num_shards - 1} (num_shards {num_shards}), got {shard_index!r}")
+    if num_shards > 1 and tokenizer_kind == "bpe":
+        raise UsageError(
+            "each shard would train its own BPE: train it once (prepare a sample, or the whole corpus) and pass its "
+            "tokenizer.json to every shard"
+        )
+
+
+@contextlib.contextmanager
+def _hold(out_dir: Path) -> Iterator[None]:
+    """One prepare at a time per directory: an advisory lock on its marker (released by the kernel if we die)."""
+    if fcntl is None:  # pragma: no cover
+        yield
+        return
+    fd = os.open(out_dir / DATA_MARKER, os.O_RDONLY)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            raise UsageError(f"{out_dir} is being prepared by another process; wait for it or stop it first") from None
+        yield
+    finally:
+        os.close(fd)
+
+
+def _tokenizer_id(kind, vocab_size, eod_id) -> dict:
+    if isinstance(kind, str) and kind in (*NAMES, "bpe"):
+        return {"kind": kind, "vocab_size": vocab_size, "eod_id": eod_id}
+    path = Path(kind)
+    digest = hashlib.sha256(path.read_bytes()).hexdigest() if path.is_file() else None
+    return {"file": str(path.resolve()), "sha256": digest, "eod_id": eod_id}
+
+
+# -- the work directory ----------------------------------------------------------------------------------------------
+
+
+def _new_state(job: dict, n_inputs: int, dtype: str, rule: str) -> dict:
+    return {
+        "format": STATE_FORMAT,
+        "job": job,
+        "dtype": dtype,
+        "rule": rule,
+        "units_done": 0,
+        "bytes_done": 0,
+        "tokens": 0,
+        "documents": 0,
+        "cuts": 0,
+        "open": 0,
+        "text_bytes": 0,
+        "skipped": 0,
+        "first_skipped": None,
+        "forced": 0,
+        "source_docs": [0] * n_inputs,
+    }
+
+
+def _save_state(work: Path, state: dict) -> None:
+    atomic_write_text(work / "state.json", json.dumps(state) + "\n")
+
+
+def _load_state(work: Path, job: dict) -> dict | None:
+    """The state of an interrupted prepare of the same job, or None (nothing to resume). A state of another job is
+    an error: resuming it would mix two corpora."""
+    try:
+        state = json.loads((work / "state.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
+        return None
+    old = state.get("job", {})
+    for key, value in job.items():
+        if old.get(key) != value:
+            what = {"inputs": "other inputs (or changed files)", "tokenizer": "another tokenizer"}.get(key, key)
+            raise UsageError(
+                f"cannot resume: {work.parent} holds a partial preparation with {what}; run without resume to start "
+                "over"
+            )
+    return state
+
+
+class _Tokenizing:
+    """Tokenizes the remaining units into the work directory: tokens.bin (the stream), docs.i64 (document sizes),
+    cuts.i64 (line cuts of the first document), state.json after each unit."""
+
+    def __init__(self, work, state, dtype, tokenizer, inputs, units, progress, on_progress):
+        self.work, self.state, self.dtype, self.tokenizer = work, state, np.dtype(dtype), tokenizer
+        self.eod = np.array([tokenizer.eod_id], dtype=self.dtype.newbyteorder("<")).tobytes()
+        self.inputs, self.units = inputs, units
+        self.progress, self.on_progress = progress, on_progress
+        self.total_bytes = sum(u.nbytes for u in units)
+        self.resumed_bytes = state["bytes_done"]
+        self.resumed_text_bytes = state["text_bytes"]
+        self.bytes_left = self.total_bytes - self.resumed_bytes
+        self._t0 = time.perf_counter()
+
+    def run(self, spec: EncoderSpec, n_workers: int, batch_bytes: int) -> None:
+        st = self.state
+        files = {
+            "tokens.bin": st["tokens"] * self.dtype.itemsize,
+            "docs.i64": st["documents"] * 8,
+            "cuts.i64": st["cuts"] * 8,
+        }
+        handles = {}
+        try:
+            for name, size in files.items():
+                f = open(self.work / name, "ab")
+                f.truncate(size)  # a unit that was not finished is read again
+                handles[name] = f
+            self._report()
+            items = self._items(spec, batch_bytes)
+            if n_workers <= 1:
+                with _one_core():
+                    encoder = Encoder(spec, self.tokenizer)
+                    results = ((task if isinstance(task, Local) else encoder.run(task), tag) for task, tag in items)
+                    self._consume(results, handles)
+            else:
+                from rwkvx_cli.data.pool import worker_pool
+
+                with worker_pool(n_workers, spec) as pool:
+                    self._consume(pool.imap(items), handles)
+        finally:
+            for f in handles.values():
+                f.close()
+
+    def _items(self, spec: EncoderSpec, batch_bytes: int) -> Iterator[tuple]:
+        for ui in range(self.state["units_done"], len(self.units)):
+            unit = self.units[ui]
+            path = self.inputs[unit.source]
+            for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes):
+                yield task, (ui, nbytes, _kind(task))
+                if isinstance(task, ReadFailure):
+                    return
+            yield UnitEnd(), (ui, 0, "end")
+
+    def _consume(self, results, handles) -> None:
+        st, item = self.state, self.dtype.itemsize
+        tokens_f, docs_f, cuts_f = handles["tokens.bin"], handles["docs.i64"], handles["cuts.i64"]
+        unit_lines = 0
+        for result, (ui, nbytes, kind) in results:
+            unit = self.units[ui]
+            path = self.inputs[unit.source]
+            if isinstance(result, ReadFailure):
+                raise DataError(result.message)
+            if isinstance(result, UnitEnd):
+                for f in handles.values():
+                    fsync_file(f)
+                st["units_done"] = ui + 1
+                _save_state(self.work, st)
+                unit_lines = 0
+                continue
+            if result.bad is not None:
+                raise DataError(self._where(path, unit, unit_lines, kind, *result.bad))
+            if result.first_skipped is not None and st["first_skipped"] is None:
+                st["first_skipped"] = self._where(path, unit, unit_lines, kind, *result.first_skipped)
+            st["skipped"] += result.skipped
+            st["forced"] += result.forced
+            st["text_bytes"] += result.text_bytes
+            unit_lines += result.lines
+            n = len(result.tokens) // item
+            tokens_f.write(result.tokens)
+            if st["documents"] == 0 and result.cuts:  # the first document's line cuts: where a lone one may split
+                cuts_f.write((np.asarray(result.cuts, dtype="<i8") + st["tokens"]).tobytes())
+                st["cuts"] += len(result.cuts)
+            st["tokens"] += n
+            if kind in ("text", "text-end"):  # a text document's pieces: it ends (with the eod) in its last task
+                st["open"] += n
+                if kind == "text-end":
+                    if st["open"]:
+                        tokens_f.write(self.eod)
+                        docs_f.write(np.array([st["open"] + 1], dtype="<i8").tobytes())
+                        st["tokens"] += 1
+                        st["documents"] += 1
+                        st["source_docs"][unit.source] += 1
+                    st["open"] = 0
+            elif result.sizes:
+                docs_f.write(result.sizes)
+                count = len(result.sizes) // 8
+                st["documents"] += count
+                st["source_docs"][unit.source] += count
+            st["bytes_done"] += nbytes
+            self._report()
+
+    def _where(self, path: Path, unit: Unit, unit_lines: int, kind: str, index: int, reason: str) -> str:
+        if kind == "rows":
+            return f"{path}: row {index}: {reason}"
+        base = count_line_starts(path, unit.start) if unit.start else 0
+        return f"{path}:{base + unit_lines + index + 1}: {reason}"
+
+    def _report(self) -> None:
+        st = self.state
+        if self.progress is not None:
+            self.progress(st["bytes_done"], self.total_bytes)
+        if self.on_progress is not None:
+            self.on_progress(
+                PrepareProgress(
+                    st["bytes_done"], self.total_bytes, st["documents"], st["tokens"],
+                    time.perf_counter() - self._t0, self.resumed_bytes,
+                )
+            )
+
+
+def _kind(task) -> str:
+    if isinstance(task, PiecesTask):
+        return "text-end" if task.kinds[-1] == "end" else "text"
+    if isinstance(task, RowsTask):
+        return "rows"
+    return "lines" if isinstance(task, (RangeTask, LinesTask)) else "other"
+
+
+@contextlib.contextmanager
+def _one_core() -> Iterator[None]:
+    """One worker means one core: the HuggingFace tokenizers' thread pool stays off meanwhile."""
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+
+
+# -- the split and the outputs ---------------------------------------------------------------------------------------
+
+
+def _map_i64(path: Path, n: int) -> np.ndarray:
+    return np.memmap(path, dtype="<i8", mode="r", shape=(n,)) if n else np.zeros(0, dtype="<i8")
+
+
+def _split(work: Path, out_dir: Path, state: dict, dtype, val_fraction, seed: int, sharded: bool, inputs) -> dict:
+    """Write train/val from the work directory's stream; returns how (the split) and their sizes."""
+    total, n_docs = state["tokens"], state["documents"]
+    if total == 0 and not sharded:
+        raise DataError(f"the corpus has no text ({', '.join(str(p) for p in inputs)})")
+    n_val = _val_tokens(val_fraction, total) if total else 0
+    sizes = _map_i64(work / "docs.i64", n_docs)
+    stream = work / "tokens.bin"
+    if n_val == 0 or n_docs >= 2:
+        split = "documents" if n_val else "none"
+        is_val = _choose_val_docs(sizes, n_val, seed, work) if n_val else None
+        train = _write_docs(out_dir / "train", stream, dtype, sizes, is_val, False)
+        val = _write_docs(out_dir / "val", stream, dtype, sizes if n_val else sizes[:0], is_val, True)
+    else:
+        cut, split = _cut_single(total, n_val, _map_i64(work / "cuts.i64", state["cuts"]))
+        train = _write_docs(out_dir / "train", stream, dtype, np.array([cut]), None, False)
+        val = _write_docs(out_dir / "val", stream, dtype, np.array([total - cut]), None, False, skip=cut)
+    return {"split": split, "train": train, "val": val, "val_requested": n_val}
+
+
+def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip: int = 0) -> tuple[int, int]:
+    """Write the documents of the token stream (sizes `sizes`, from token `skip`) for which `mask` is `want` (all
+    when mask is None) as a binidx pair, under temporary names renamed when complete. All of the stream is linked,
+    not copied; a part is copied in the kernel. Returns (documents, tokens)."""
+    from rwkvx_cli.data.binidx import binidx_paths
+    from rwkvx_cli.fsio import temp_path
+
+    dtype, item = np.dtype(dtype), np.dtype(dtype).itemsize
+    bin_path, idx_path = binidx_paths(prefix)
+    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
+    n = len(sizes)
+    chunks = range(0, n, _WRITE_CHUNK)
+
+    def keep(a: int) -> np.ndarray:
+        part = np.asarray(sizes[a : a + _WRITE_CHUNK])
+        return np.ones(len(part), bool) if mask is None else np.asarray(mask[a : a + _WRITE_CHUNK]) == want
+
+    def kept(a: int) -> np.ndarray:
+        return np.asarray(sizes[a : a + _WRITE_CHUNK])[keep(a)]
+
+    n_keep = sum(int(np.count_nonzero(keep(a))) for a in chunks)
+    tokens = 0
+    try:
+        whole = mask is None and skip == 0 and n and int(np.sum(sizes)) * item == stream.stat().st_size
+        if whole:
+            tmp_bin.unlink(missing_ok=True)
+            os.link(stream, tmp_bin)
+            tokens = int(np.sum(sizes))
+        else:
+            with open(stream, "rb") as src, open(tmp_bin, "wb") as dst:
+                at = skip
+                for a in chunks:
+                    part = np.asarray(sizes[a : a + _WRITE_CHUNK])
+                    ends = at + np.cumsum(part)
+                    starts = ends - part
+                    edges = np.flatnonzero(np.diff(np.concatenate([[False], keep(a), [False]]).astype(np.int8)))
+                    for r0, r1 in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
+                        length = int(ends[r1 - 1] - starts[r0])
+                        copy_range(src.fileno(), dst.fileno(), int(starts[r0]) * item, length * item)
+                        tokens += length
+                    at = int(ends[-1]) if len(part) else at
+                fsync_file(dst)
+        write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
+        # .bin first: a crash between the renames leaves a pair that fails the reader's size check.
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
+    fsync_dir(bin_path.parent)
+    return n_keep, tokens
+
+
+def _finish(
+    out_dir, inputs, sizes, units, state, tok, kind, source, dtype, result, rule_name, tokenizer_seconds,
+    tokenize_seconds, val_fraction, seed, text_field, n_workers, num_shards, shard_index, resumed_bytes,
+    resumed_text_bytes,
+) -> PrepareStats:
+    (train_docs, train_tokens), (val_docs, val_tokens) = result["train"], result["val"]
+    total_bytes = sum(u.nbytes for u in units)
     stats = PrepareStats(
         out_dir=out_dir,
         tokenizer_kind=kind,
         vocab_size=tok.vocab_size,
         dtype=dtype.name,
-        documents=n_docs,
+        documents=state["documents"],
         bytes=total_bytes,
-        train_tokens=int(train_sizes.sum()),
-        val_tokens=int(val_sizes.sum()),
-        train_documents=len(train_sizes),
-        val_documents=len(val_sizes),
-        split=split,
+        train_tokens=train_tokens,
+        val_tokens=val_tokens,
+        train_documents=train_docs,
+        val_documents=val_docs,
+        split=result["split"],
         tokenizer_seconds=tokenizer_seconds,
         tokenize_seconds=tokenize_seconds,
-        text_bytes=tz.text_bytes,
-        skipped_records=tz.skipped.count,
-        first_skipped=tz.skipped.first,
+        text_bytes=state["text_bytes"],
+        skipped_records=state["skipped"],
+        first_skipped=state["first_skipped"],
         eod_id=tok.eod_id,
+        cut_rule=rule_name,
+        forced_cuts=state["forced"],
+        workers=n_workers,
+        num_shards=num_shards,
+        shard_index=shard_index,
+        resumed_bytes=resumed_bytes,
+        resumed_text_bytes=resumed_text_bytes,
     )
+    if num_shards == 1:
+        sources = [
+            {"path": str(p.resolve()), "bytes": b, "documents": d}
+            for p, b, d in zip(inputs, sizes, state["source_docs"], strict=True)
+        ]
+    else:
+        sources = []
+        for k in dict.fromkeys(u.source for u in units):
+            mine = [u for u in units if u.source == k]
+            entry = {"path": str(inputs[k].resolve()), "bytes": sizes[k], "documents": state["source_docs"][k]}
+            if (mine[0].start, mine[-1].end) != (0, sizes[k]):
+                entry["range"] = [mine[0].start, mine[-1].end]
+            sources.append(entry)
     meta = {
         "format": META_FORMAT,
         "version": META_VERSION,
@@ -173,19 +625,20 @@ def prepare(
         "documents": stats.documents,
         "bytes": stats.bytes,
         "text_bytes": stats.text_bytes,
-        "tokens": total,
+        "tokens": state["tokens"],
         "train": {"prefix": "train", "tokens": stats.train_tokens, "documents": stats.train_documents},
         "val": {"prefix": "val", "tokens": stats.val_tokens, "documents": stats.val_documents},
-        "split": split,
+        "split": stats.split,
         "val_fraction": int(val_fraction) if isinstance(val_fraction, numbers.Integral) else float(val_fraction),
+        "val_requested": result["val_requested"],
         "seed": seed,
         "text_field": text_field,
         "skipped_records": stats.skipped_records,
-        "sources": [
-            {"path": str(p.resolve()), "bytes": b, "documents": d}
-            for p, b, d in zip(inputs, sizes, tz.source_docs, strict=True)
-        ],
+        "cuts": {"rule": rule_name, "forced": stats.forced_cuts},
+        "sources": sources,
     }
+    if num_shards > 1:
+        meta["shard"] = {"index": shard_index, "count": num_shards, "corpus": corpus_id(inputs, sizes)}
     # Written last: a directory with meta.json is complete.
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
     return stats
@@ -194,7 +647,7 @@ def prepare(
 def _prepared_here(out_dir: Path) -> bool:
     """A directory prepared by an rwkvx older than the marker file: its meta.json is ours, or it
     holds the token stream of a prepare that was killed."""
-    if any(out_dir.glob(".tokens.tmp*")):
+    if any(out_dir.glob(".tokens.tmp*")) or (out_dir / WORK_DIR).is_dir():
         return True
     try:
         meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
@@ -260,17 +713,6 @@ def _alive(pid: int) -> bool:
     return True
 
 
-def _write_split(prefix: Path, stream: np.ndarray, doc_sizes: np.ndarray, keep: np.ndarray, dtype) -> np.ndarray:
-    """Write the documents of `stream` where `keep` is set, in order, as runs of consecutive kept documents."""
-    offsets = np.zeros(len(doc_sizes) + 1, dtype=np.int64)
-    np.cumsum(doc_sizes, out=offsets[1:])
-    edges = np.flatnonzero(np.diff(np.concatenate([[False], keep, [False]]).astype(np.int8)))
-    with BinIdxWriter(prefix, dtype) as w:
-        for a, b in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
-            w.add(stream[offsets[a] : offsets[b]], doc_sizes[a:b])
-        return w.commit()
-
-
 def _check_val_fraction(val_fraction) -> None:
     if isinstance(val_fraction, bool) or not isinstance(val_fraction, numbers.Real):
         raise UsageError(f"val_fraction must be a fraction in [0, 1) or a token count, got {val_fraction!r}")
@@ -304,72 +746,25 @@ def _make_tokenizer(kind, inputs: list[Path], vocab_size: int | None, eod_id: in
     return tok, "file", str(path.resolve())
 
 
-def _batches(
-    inputs: list[Path], read_options: dict, skipped: Skipped
-) -> Iterator[tuple[list[str], list[tuple[int, bool]], int]]:
-    """(texts, (input index, doc_end) per text, input bytes) in batches of about _BATCH_CHARS characters."""
-    texts: list[str] = []
-    owners: list[tuple[int, bool]] = []
-    chars = nbytes = 0
-    for k, path in enumerate(inputs):
-        for piece in iter_pieces(path, skipped=skipped, **read_options):
-            nbytes += piece.nbytes
-            if piece.text or piece.doc_end:
-                texts.append(piece.text)
-                owners.append((k, piece.doc_end))
-                chars += len(piece.text)
-            if chars >= _BATCH_CHARS:
-                yield texts, owners, nbytes
-                texts, owners, chars, nbytes = [], [], 0, 0
-    if texts or nbytes:
-        yield texts, owners, nbytes
+def _choose_val_docs(doc_sizes: np.ndarray, n_val: int, seed: int, scratch: Path) -> np.ndarray:
+    """Documents in a seeded random order, each taken while the validation split stays within n_val tokens.
 
-
-def _tokenize(
-    inputs: list[Path],
-    tok: Tokenizer,
-    dtype: np.dtype,
-    stream_path: Path,
-    progress: Progress | None,
-    total_bytes: int,
-    read_options: dict,
-) -> _Tokenized:
-    out = _Tokenized(doc_sizes=array.array("q"), first_doc_cuts=[], source_docs=[0] * len(inputs))
-    eod = np.array([tok.eod_id], dtype=dtype).tobytes()
-    current = 0  # tokens so far in the open document
-    done = 0
-    if progress is not None:
-        progress(0, total_bytes)
-    with open(stream_path, "wb") as f:
-        for texts, owners, nbytes in _batches(inputs, read_options, out.skipped):
-            out.text_bytes += sum(len(t.encode("utf-8")) for t in texts)
-            for ids, (k, doc_end) in zip(tok.encode_arrays(texts), owners, strict=True):
-                if ids.size:
-                    f.write(ids.astype(dtype).tobytes())
-                    current += ids.size
-                    if not out.doc_sizes:
-                        out.first_doc_cuts.append(current)
-                if doc_end and current:
-                    f.write(eod)
-                    out.doc_sizes.append(current + 1)
-                    out.source_docs[k] += 1
-                    current = 0
-            done += nbytes
-            if progress is not None:
-                progress(done, total_bytes)
-        fsync_file(f)
-    return out
-
-
-def _choose_val_docs(doc_sizes: np.ndarray, n_val: int, seed: int) -> np.ndarray:
-    """Documents in a seeded random order, each taken while the validation split stays within n_val tokens."""
+    The order is numpy's `permutation(n)` of that seed (the same as ever). Past _IN_MEMORY_DOCS documents it and
+    the returned mask live in memory maps in `scratch`: file pages, not this process's memory."""
     n = len(doc_sizes)
-    is_val = np.zeros(n, dtype=bool)
+    rng = np.random.default_rng(seed)
+    if n <= _IN_MEMORY_DOCS:
+        order, is_val = rng.permutation(n), np.zeros(n, dtype=bool)
+    else:
+        order = np.memmap(scratch / "order.i64", dtype=np.int64, mode="w+", shape=(n,))
+        for a in range(0, n, _WRITE_CHUNK):
+            order[a : a + _WRITE_CHUNK] = np.arange(a, min(n, a + _WRITE_CHUNK))
+        rng.shuffle(order.view(np.ndarray))  # permutation(n) is this shuffle of arange(n)
+        is_val = np.memmap(scratch / "is_val.u8", dtype=bool, mode="w+", shape=(n,))
     got = 0
-    order = np.random.default_rng(seed).permutation(n)
     for start in range(0, n, 1 << 20):  # in chunks: no list of every document
-        chunk = order[start : start + (1 << 20)]
-        for i, size in zip(chunk.tolist(), doc_sizes[chunk].tolist(), strict=True):
+        chunk = np.asarray(order[start : start + (1 << 20)])
+        for i, size in zip(chunk.tolist(), np.asarray(doc_sizes[chunk]).tolist(), strict=True):
             if got + size <= n_val:
                 is_val[i] = True
                 got += size
@@ -380,10 +775,15 @@ def _choose_val_docs(doc_sizes: np.ndarray, n_val: int, seed: int) -> np.ndarray
     return is_val
 
 
-def _cut_single(total: int, n_val: int, cuts: list[int]) -> tuple[int, str]:
-    """The token offset that splits the only document, preferring a line boundary nearest to total - n_val."""
+def _cut_single(total: int, n_val: int, cuts: np.ndarray) -> tuple[int, str]:
+    """The token offset that splits the only document: the line cut nearest to total - n_val if it is within
+    SPLIT_TOLERANCE of n_val ("line"), else total - n_val exactly ("tokens")."""
     target = total - n_val
-    inner = [c for c in cuts if 0 < c < total - 1]  # total - 1 is the end of the text, before the eod
-    if not inner:
-        return target, "tokens"
-    return min(inner, key=lambda c: abs(c - target)), "line"
+    inner = np.asarray(cuts[(cuts > 0) & (cuts < total - 1)])  # total - 1 is the end of the text, before the eod
+    if inner.size:
+        i = int(np.searchsorted(inner, target))
+        near = [int(c) for c in inner[max(0, i - 1) : i + 1]]
+        best = min(near, key=lambda c: abs(c - target))
+        if abs(best - target) <= SPLIT_TOLERANCE * n_val:
+            return best, "line"
+    return target, "tokens"

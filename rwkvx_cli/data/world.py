@@ -192,6 +192,10 @@ class WorldTokenizer:
     def encode(self, text: str) -> list[int]:
         return self._engine.encode(text)
 
+    def unload(self) -> None:
+        """Free the encoding engine (the Rust one holds ~240 MB); the next encode builds it again."""
+        self._impl = None
+
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
         return [np.asarray(ids, dtype=np.int64) for ids in self._engine.encode_batch(texts)]
 

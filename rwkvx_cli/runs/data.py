@@ -13,11 +13,11 @@ from pathlib import Path
 import numpy as np
 
 from rwkvx_cli.config import Config, ConfigError
-from rwkvx_cli.data import PrepareStats, open_tokens, prepare
+from rwkvx_cli.data import PrepareStats, TokenChain, expand_inputs, open_prepared, open_tokens, prepare
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import read_prepared_meta
 from rwkvx_cli.fsio import atomic_write_text
-from rwkvx_cli.runs.layout import TOKENIZER_FILE, data_dir_for, is_prepared
+from rwkvx_cli.runs.layout import TOKENIZER_FILE, data_dir_for, is_prepared, prepared_corpus
 from rwkvx_cli.runs.tokenizers import dir_tokenizer, named_tokenizer
 
 
@@ -95,12 +95,61 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
             progress=progress,
             eod_id=None if named else cfg.data.eod_id,
         )
+    elif not (cfg.data.binidx or cfg.data.mix is not None or prepared_corpus(cfg)):
+        check_prepared_as_asked(cfg, data_dir_for(cfg, run_dir))
     data = open_data(cfg, run_dir)
     data.prepared = stats
     if cfg.data.binidx or cfg.data.mix is not None:
         _write_if_changed(data.data_dir / TOKENIZER_FILE, data.tokenizer.to_json())
         _write_if_changed(data.data_dir / SOURCE_FILE, json.dumps(_source_meta(cfg, data), indent=2) + "\n")
     return data
+
+
+def check_prepared_as_asked(cfg: Config, ddir: Path) -> None:
+    """A directory training would prepare into (data.prepared_dir, <run>/data) that already holds
+    prepared data must hold what the config asks for: the same tokenizer, corpus files (and sizes),
+    validation share and seed, as its meta.json records them; else a one-line refusal, never
+    training on other data silently."""
+    try:
+        meta = json.loads((ddir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return  # unreadable: open_data refuses it with its own reason
+    if not isinstance(meta, dict) or "shard" in meta:
+        return
+    d = cfg.data
+    named = d.tokenizer in ("byte", "world", "bpe")
+    tok = meta.get("tokenizer") if isinstance(meta.get("tokenizer"), dict) else {}
+    asked = {
+        "tokenizer": d.tokenizer if named else "file",
+        "tokenizer file": None if named else str(Path(d.tokenizer).resolve()),
+        "val_fraction": d.val_fraction,
+        "seed": cfg.train.seed,
+    }
+    found = {"tokenizer": tok.get("kind"), "tokenizer file": tok.get("source")}
+    found |= {"val_fraction": meta.get("val_fraction"), "seed": meta.get("seed")}
+    if d.tokenizer == "bpe":
+        asked["BPE vocabulary"], found["BPE vocabulary"] = d.bpe_vocab_size, meta.get("vocab_size")
+    if not named:
+        asked["data.eod_id"], found["data.eod_id"] = d.eod_id, tok.get("eod_id")
+    sources = meta.get("sources")
+    if isinstance(sources, list):
+        inputs = expand_inputs([Path(p) for p in d.corpus])
+        asked["corpus"] = [(str(p.resolve()), p.stat().st_size) for p in inputs]
+        found["corpus"] = [(s.get("path"), s.get("bytes")) for s in sources if isinstance(s, dict)]
+    for what, want in asked.items():
+        if what in found and found[what] is not None and found[what] != want:
+            have = found[what]
+            if what == "corpus":
+                have, want = _files(have), _files(want)
+            raise DataError(
+                f"{ddir} was prepared with {what} {have}, but the config asks for {want}; point "
+                f"data.prepared_dir elsewhere, or remove {ddir} to prepare it again"
+            )
+
+
+def _files(listing: list) -> str:
+    shown = ", ".join(f"{Path(p).name} ({b:,} bytes)" for p, b in listing[:3])
+    return shown + (f" (+{len(listing) - 3} more)" if len(listing) > 3 else "")
 
 
 def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_train: bool = True) -> RunData:
@@ -110,8 +159,15 @@ def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_tr
     each split must hold one window of train.ctx_len + 1
     (only the validation split's when not `check_train`: evaluation reads nothing else)."""
     d = cfg.data
+    shards = prepared_corpus(cfg) if data_dir is None else []
     prepared = data_dir is not None or not (d.binidx or d.mix is not None)
-    if prepared:
+    if len(shards) > 1:  # several prepared directories read as one corpus, nothing copied
+        corpus = open_prepared(shards)
+        ddir, tokenizer, prepared = shards[0], corpus.tokenizer, False  # each meta.json checked by open_prepared
+        train, val = TokenChain(corpus.train_tokens), corpus.val
+        where = f"{len(shards)} prepared directories, {shards[0]} ..."
+        splits = [("training", where, train), ("validation", where, val)]
+    elif prepared:
         ddir = data_dir if data_dir is not None else data_dir_for(cfg, run_dir)
         tokenizer = dir_tokenizer(ddir)
         train, val = open_tokens(ddir / "train.bin"), open_tokens(ddir / "val.bin")

@@ -12,6 +12,7 @@
 
 from __future__ import annotations
 
+import glob
 from pathlib import Path
 
 from rwkvx_cli.config import Config
@@ -50,12 +51,27 @@ def is_prepared(path: Path) -> bool:
     return path.is_dir() and (path / "meta.json").is_file()
 
 
+def prepared_corpus(cfg: Config) -> list[Path]:
+    """The prepared directories data.corpus names (directories or globs of them, in that order, each
+    holding meta.json: the shards of one prepare, or several prepares of one tokenizer), or [] when it
+    names anything to prepare (files, a corpus folder) or the data comes from data.binidx / data.mix."""
+    if cfg.data.binidx or cfg.data.mix is not None:
+        return []
+    dirs: list[Path] = []
+    for item in cfg.data.corpus:
+        matches = sorted(glob.glob(item)) if glob.has_magic(item) else [item]
+        if not matches:
+            return []
+        dirs += [Path(m) for m in matches]
+    return dirs if dirs and all(is_prepared(d) for d in dirs) else []
+
+
 def data_dir_for(cfg: Config, run_dir: Path) -> Path:
     """Where a run's prepared tokens (or, for data.binidx / data.mix, its tokenizer.json and
-    source.json) are: the corpus itself when it is a prepared directory (one holding meta.json;
+    source.json) are: the corpus itself when it is prepared (the first of its prepared directories;
     any other directory is a corpus folder to prepare), else data.prepared_dir, else <run>/data.
     Training and every command that reads a checkpoint use this rule."""
-    corpus = [Path(p) for p in cfg.data.corpus]
-    if not cfg.data.binidx and cfg.data.mix is None and len(corpus) == 1 and is_prepared(corpus[0]):
-        return corpus[0]  # already prepared
+    prepared = prepared_corpus(cfg)
+    if prepared:
+        return prepared[0]  # already prepared
     return Path(cfg.data.prepared_dir) if cfg.data.prepared_dir else Path(run_dir) / "data"

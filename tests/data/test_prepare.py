@@ -177,3 +177,110 @@ def test_stale_token_stream_of_a_killed_prepare_is_removed(tmp_path):
     (tmp_path / "a.txt").write_text("some text\n")
     prepare([tmp_path / "a.txt"], out, "byte", val_fraction=0.0)
     assert not list(out.glob(".tokens.tmp*"))
+
+
+def _hf_family(name: str, text: str):
+    """A small tokenizer.json of one family, trained here (offline) with <|eod|> at id 0."""
+    from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers
+
+    eod = ["<|eod|>"]
+    if name == "bytelevel":
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+        trainer = trainers.BpeTrainer(
+            vocab_size=500, special_tokens=eod, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        )
+    elif name == "metaspace-bpe":  # Llama/Mistral-style: a space prepended per input, merges such as "\nW"
+        tok = Tokenizer(models.BPE())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always", split=True)
+        trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=eod)
+    elif name == "unigram":
+        tok = Tokenizer(models.Unigram())
+        tok.pre_tokenizer = pre_tokenizers.Metaspace(prepend_scheme="always")
+        trainer = trainers.UnigramTrainer(vocab_size=500, special_tokens=eod, unk_token="<|eod|>")
+    elif name == "wordpiece":
+        tok = Tokenizer(models.WordPiece(unk_token="[UNK]"))
+        tok.normalizer = normalizers.BertNormalizer(lowercase=False)
+        tok.pre_tokenizer = pre_tokenizers.BertPreTokenizer()
+        trainer = trainers.WordPieceTrainer(vocab_size=500, special_tokens=[*eod, "[UNK]"])
+    elif name == "prepend-normalizer":  # Llama-2's layout: Prepend + Replace, no pre-tokenizer, byte fallback
+        tok = Tokenizer(models.BPE(byte_fallback=True))
+        tok.normalizer = normalizers.Sequence([normalizers.Prepend("▁"), normalizers.Replace(" ", "▁")])
+        trainer = trainers.BpeTrainer(vocab_size=500, special_tokens=eod)
+    else:
+        raise ValueError(name)
+    tok.train_from_iterator(text.splitlines(keepends=True), trainer=trainer)  # lines: no pre-tokenizer is quadratic
+    return tok
+
+
+@pytest.mark.parametrize(
+    "family", ["byte", "world", "bytelevel", "metaspace-bpe", "unigram", "wordpiece", "prepend-normalizer"]
+)
+def test_prepared_ids_equal_encoding_each_whole_document(tmp_path, family):
+    # Documents of 10-30k characters: long enough to be cut into pieces (8192 characters).
+    text = SHAKESPEARE.read_text(encoding="utf-8")
+    rng = np.random.default_rng(4)
+    docs = []
+    for _ in range(6):
+        a, n = int(rng.integers(0, len(text) - 30_000)), int(rng.integers(10_000, 30_000))
+        docs.append(text[a : a + n])
+    docs.append("Wide  spaces and\ttabs,\r\nWindows lines\n\n  indented\nW\n" * 400)
+    _write_jsonl(tmp_path / "a.jsonl", docs)
+    kind = family
+    hf = None
+    if family not in ("byte", "world"):
+        hf = _hf_family(family, text[:300_000])
+        hf.save(str(tmp_path / "tok.json"))
+        kind = tmp_path / "tok.json"
+    prepare([tmp_path / "a.jsonl"], tmp_path / "out", kind, val_fraction=0.0)
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    got = [d[:-1].tolist() for d in _docs_of(BinIdx(tmp_path / "out" / "train"))]
+    assert len(got) == len(docs)
+    for doc, ids in zip(docs, got, strict=True):
+        assert ids == tok.encode(doc)  # the whole document in one call
+        if hf is not None:
+            assert ids == hf.encode(doc, add_special_tokens=False).ids
+    assert [tok.decode(ids) for ids in got][:1] == [tok.decode(tok.encode(docs[0]))]
+
+
+def _long_line_split(tmp_path, monkeypatch, line: str, kind: str = "byte"):
+    """A single-line .txt read with small blocks and a small limit for text without a cut point."""
+    monkeypatch.setattr(corpus, "_BLOCK_BYTES", 4096)
+    monkeypatch.setattr(corpus, "_MAX_CARRY", 30_000)
+    (tmp_path / "line.txt").write_text(line, encoding="utf-8")
+    stats = prepare([tmp_path / "line.txt"], tmp_path / "out", kind)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    total = stats.train_tokens + stats.val_tokens
+    return stats, meta, total
+
+
+@pytest.mark.parametrize("word", ["lorem ipsum ", "東京 naïve 🚀 "])
+def test_one_long_line_holds_out_what_was_asked(tmp_path, monkeypatch, word):
+    # No newline at all: no line boundary to cut at, so the split is at exactly the asked-for token count (the
+    # previous code recorded the blocks it had to emit without a safe cut as line cuts and held out 30-40%).
+    stats, meta, total = _long_line_split(tmp_path, monkeypatch, word * (300_000 // len(word)))
+    assert stats.documents == 1 and stats.split == meta["split"] == "tokens"
+    assert stats.val_tokens == round(0.05 * total)
+    assert meta["val"]["tokens"] == stats.val_tokens
+
+
+def test_one_line_without_spaces_is_cut_but_never_as_a_line(tmp_path, monkeypatch):
+    stats, meta, total = _long_line_split(tmp_path, monkeypatch, "x" * 100_000, kind="world")
+    assert stats.split == meta["split"] == "tokens" and stats.val_tokens == round(0.05 * total)
+    assert meta["cuts"]["forced"] == stats.forced_cuts == 3  # every 30,000 characters, counted
+    tok = load_tokenizer(tmp_path / "out" / "tokenizer.json")
+    halves = [tok.decode(BinIdx(tmp_path / "out" / split).tokens) for split in ("train", "val")]
+    assert halves[0] + halves[1] == "x" * 100_000
+
+
+def test_single_document_line_split_is_within_the_stated_tolerance(tmp_path):
+    from rwkvx_cli.data.prepare import SPLIT_TOLERANCE
+
+    stats = prepare([SHAKESPEARE], tmp_path / "out", "byte", val_fraction=0.2)
+    meta = json.loads((tmp_path / "out" / "meta.json").read_text())
+    asked = round(0.2 * (stats.train_tokens + stats.val_tokens))
+    assert meta["split"] == "line" and meta["val_requested"] == asked
+    assert abs(stats.val_tokens - asked) <= SPLIT_TOLERANCE * asked
+    # Asked for less than a piece: no line cut is near enough, so the cut is exact (mid-line).
+    small = prepare([SHAKESPEARE], tmp_path / "o2", "byte", val_fraction=300)
+    assert small.split == "tokens" and small.val_tokens == 300

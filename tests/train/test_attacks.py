@@ -232,3 +232,36 @@ def test_an_allowed_change_keeps_the_schedule_monotone_in_tokens(trained, tmp_pa
     assert "--allow-change train.tokenz: not a config setting" in one_line_error(
         invoke("train", *args, "--allow-change", "train.tokenz"), 2
     )
+
+
+# -- 6. never train on data other than the config describes ---------------------------------------
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        (("data.tokenizer=world", "model.vocab_size=65536"), "tokenizer byte, but the config asks for world"),
+        (("data.val_fraction=0.1",), "val_fraction 0.05, but the config asks for 0.1"),
+        (("train.seed=3",), "seed 0, but the config asks for 3"),
+        (("data.corpus=[{other}]",), "corpus text.txt"),
+    ],
+)
+def test_a_stale_prepared_dir_is_refused(tmp_path, corpus, change, message):
+    shared = tmp_path / "prepared"
+    first = invoke("init", *tiny_args(tmp_path / "a", corpus, f"data.prepared_dir={shared}"))
+    assert first.exit_code == 0, first.output
+    before = (shared / "meta.json").read_bytes()
+    other = tmp_path / "other.txt"
+    other.write_text(corpus.read_text()[: len(corpus.read_text()) // 2])
+    extra = [c.format(other=other) for c in change]
+    line = one_line_error(invoke("train", *tiny_args(tmp_path / "b", corpus, f"data.prepared_dir={shared}", *extra)), 1)
+    assert message in line and "data.prepared_dir elsewhere" in line
+    assert (shared / "meta.json").read_bytes() == before and not (tmp_path / "b" / "config.yaml").exists()
+
+
+def test_a_corpus_file_that_changed_since_it_was_prepared_is_refused(tmp_path, corpus):
+    text = tmp_path / "text.txt"
+    text.write_text(corpus.read_text())
+    shared = tmp_path / "prepared"
+    assert invoke("init", *tiny_args(tmp_path / "a", text, f"data.prepared_dir={shared}")).exit_code == 0
+    text.write_text(corpus.read_text() + "one more line\n")
+    line = one_line_error(invoke("train", *tiny_args(tmp_path / "b", text, f"data.prepared_dir={shared}")), 1)
+    assert "but the config asks for text.txt" in line

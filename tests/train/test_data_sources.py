@@ -227,3 +227,39 @@ def test_the_new_keys_round_trip_through_a_saved_config():
     ):
         cfg = load_config(None, overrides)
         assert config_from_dict(config_to_dict(cfg)) == cfg  # what eval reads back from a checkpoint
+
+
+def test_sharded_prepares_train_as_one_corpus(tmp_path, corpus):
+    """`data prepare --num-shards 2 --shard-index i` twice (two machines), then data.corpus names both
+    shards (or a glob): training reads every shard's tokens, validation spans them all, eval reads them."""
+    from rwkvx_cli.config import load_config
+    from rwkvx_cli.data import prepare
+    from rwkvx_cli.runs.data import open_data
+
+    lines = corpus.read_text().splitlines(keepends=True)
+    inputs = [tmp_path / "in" / "a.txt", tmp_path / "in" / "b.txt"]
+    inputs[0].parent.mkdir()
+    inputs[0].write_text("".join(lines[: len(lines) // 2]))
+    inputs[1].write_text("".join(lines[len(lines) // 2 :]))
+    shards = [tmp_path / "shards" / f"s{i}" for i in range(2)]
+    for i, out in enumerate(shards):
+        prepare(inputs, out, tokenizer_kind="byte", num_shards=2, shard_index=i, workers=1, val_fraction=0.2)
+    lengths = [len(open_tokens(s / "train.bin").tokens) for s in shards]
+    assert min(lengths) > 0
+    for given in ([str(s) for s in shards], [str(tmp_path / "shards" / "s*")]):
+        cfg = load_config(None, tiny_args(tmp_path / "run", corpus, f"data.corpus={json.dumps(given)}"))
+        data = open_data(cfg, tmp_path / "run")
+        assert len(data.train.tokens) == sum(lengths) and data.data_dir == shards[0]
+        val = sum(len(open_tokens(s / "val.bin").tokens) for s in shards)
+        assert len(data.val.tokens) == val
+    run = tmp_path / "run"
+    train(*tiny_args(run, corpus, f"data.corpus=[{shards[0]},{shards[1]}]"))
+    assert not (run / "data").exists()  # nothing prepared or copied
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), "--json"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout)["tokens"] > 0
+    (shards[1] / "tokenizer.json").write_text(WorldTokenizer().to_json())
+    result = runner.invoke(
+        app, ["train", *tiny_args(tmp_path / "run2", corpus, f"data.corpus=[{shards[0]},{shards[1]}]")]
+    )
+    assert result.exit_code == 1 and "different tokenizers" in result.stderr

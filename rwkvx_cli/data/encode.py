@@ -1,0 +1,451 @@
+"""Tokenizing a corpus in tasks: what `prepare` hands to its worker processes (or runs itself with one worker).
+
+A task is about `batch_bytes` of one input: a byte range of an uncompressed JSONL file (the worker reads it: the lines
+that start inside the range), complete JSONL lines that the reader decompressed, consecutive pieces of a text file's
+document, or parquet rows. `Encoder.run(task)` returns the task's tokens already packed in the output dtype, the sizes
+of the documents it completed, and what `prepare` records (text bytes, lines, skipped or bad records, the line cuts
+inside its first document). Task order is document order, so writing the results in task order gives the same bytes
+whatever the number of workers.
+
+The reader side (`unit_tasks`) runs in the main process; a failure it meets (a truncated archive, invalid UTF-8) is a
+`ReadFailure` task, reported in order after every earlier task's result.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from rwkvx_cli.data import corpus
+from rwkvx_cli.data.cuts import CutRule, cut_text
+from rwkvx_cli.data.errors import DataError
+
+
+@dataclass(frozen=True)
+class EncoderSpec:
+    """What a worker needs to build its Encoder (pickled to it once)."""
+
+    kind: str  # "byte", "world" or "bpe"
+    tokenizer_json: str | None  # a BPE tokenizer's tokenizer.json text
+    world_engine: str | None
+    eod_id: int
+    dtype: str  # "uint16" or "int32"
+    text_field: str
+    skip_bad: bool
+    rule: str  # CutRule.name
+    piece_chars: int
+    max_chars: int
+
+
+@dataclass(frozen=True)
+class RangeTask:
+    """The JSONL lines that start in bytes [start, end) of an uncompressed file."""
+
+    path: str
+    start: int
+    end: int
+
+
+@dataclass(frozen=True)
+class LinesTask:
+    """Complete JSONL lines (decompressed)."""
+
+    data: bytes
+
+
+@dataclass(frozen=True)
+class PiecesTask:
+    """Consecutive pieces of one text document; `kinds[i]` is the kind of cut after piece i ("end": the document's)."""
+
+    pieces: list[str]
+    kinds: list[str]
+
+
+@dataclass(frozen=True)
+class RowsTask:
+    """Parquet values (None: a null) from row `first_row` (1-based)."""
+
+    texts: list[str | None]
+    first_row: int
+
+
+class Local:
+    """A marker among the tasks that no worker runs: it is its own result, in its place."""
+
+
+@dataclass(frozen=True)
+class ReadFailure(Local):
+    """An error met while reading; raised when its turn comes (nothing after it is read)."""
+
+    message: str
+
+
+class UnitEnd(Local):
+    """The end of a unit of input: `prepare` syncs its work directory there."""
+
+
+Task = RangeTask | LinesTask | PiecesTask | RowsTask
+
+
+@dataclass
+class Encoded:
+    tokens: bytes = b""  # packed in the output dtype, little-endian
+    sizes: bytes = b""  # int64 tokens (eod included) of each document completed here (JSONL lines, parquet rows)
+    cuts: list[int] = field(default_factory=list)  # line cuts inside this task's first document (token offsets)
+    text_bytes: int = 0
+    lines: int = 0  # JSONL lines read
+    skipped: int = 0
+    first_skipped: tuple[int, str] | None = None  # (line index in the task, or row, reason)
+    bad: tuple[int, str] | None = None  # the first bad record without skip_bad: the task stopped there
+    forced: int = 0  # forced cuts (no safe point within max_chars)
+
+
+class Encoder:
+    """Runs tasks with one tokenizer, single-threaded (a worker process is one core)."""
+
+    def __init__(self, spec: EncoderSpec, tokenizer=None):
+        self.spec = spec
+        self.rule = CutRule.from_name(spec.rule)
+        self.dtype = np.dtype(spec.dtype).newbyteorder("<")
+        self._code = {"uint16": "H", "int32": "i"}[spec.dtype]
+        self._packers: dict[int, struct.Struct] = {}
+        self.eod = np.array([spec.eod_id], dtype=self.dtype).tobytes()
+        self._encode_many = self._encoder(spec, tokenizer)
+
+    def _encoder(self, spec: EncoderSpec, tokenizer):
+        """texts -> their packed ids, from `tokenizer` (the caller's, in its own process) or one built from spec."""
+        # Packing a list of ids with struct costs ~3 ns a token; numpy's or array's conversion of Python ints
+        # ~15 ns, a quarter of the World tokenizer's own time.
+        pack = self._pack
+        if spec.kind == "byte":
+            return lambda texts: [(np.frombuffer(t.encode(), np.uint8).astype("<u2") + 1).tobytes() for t in texts]
+        if spec.kind == "world":
+            from rwkvx_cli.data.world import WorldTokenizer
+
+            tok = tokenizer if tokenizer is not None else WorldTokenizer(engine=spec.world_engine)
+            engine = tok._engine
+            one = engine.encode  # one text at a time: the Rust encode_batch spreads over every core
+            return lambda texts: [pack(one(t)) for t in texts]
+        from tokenizers import Tokenizer
+
+        from rwkvx_cli.data.tokenizer import BPETokenizer, bound_runs
+
+        bpe = tokenizer if tokenizer is not None else BPETokenizer(Tokenizer.from_str(spec.tokenizer_json), spec.eod_id)
+        encode = getattr(bpe._tok, "encode_batch_fast", bpe._tok.encode_batch)
+
+        def many(texts: list[str]) -> list[bytes]:
+            parts, owner = [], []
+            for k, t in enumerate(texts):
+                split = bound_runs(t)
+                parts += split
+                owner += [k] * len(split)
+            ids = [pack(e.ids) for e in encode(parts, add_special_tokens=False)]
+            if len(parts) == len(texts):
+                return ids
+            out: list[list[bytes]] = [[] for _ in texts]
+            for k, a in zip(owner, ids, strict=True):
+                out[k].append(a)
+            return [b"".join(a) for a in out]
+
+        return many
+
+    def _pack(self, ids: list[int]) -> bytes:
+        n = len(ids)
+        packer = self._packers.get(n)
+        if packer is None:
+            packer = struct.Struct(f"<{n}{self._code}")
+            if n <= 1 << 16:  # lengths repeat (pieces are at most PIECE_CHARS); struct's own cache holds 100
+                self._packers[n] = packer
+        try:
+            return packer.pack(*ids)
+        except struct.error:
+            bad = next(i for i in ids if not 0 <= i < (1 << 16 if self._code == "H" else 1 << 31))
+            raise DataError(f"token id {bad} does not fit {self.spec.dtype}") from None
+
+    def run(self, task) -> Encoded:
+        if isinstance(task, RangeTask):
+            return self._lines(_read_range(task.path, task.start, task.end))
+        if isinstance(task, LinesTask):
+            return self._lines(task.data)
+        if isinstance(task, PiecesTask):
+            return self._pieces(task)
+        if isinstance(task, RowsTask):
+            return self._rows(task)
+        raise TypeError(f"not a task: {task!r}")
+
+    # -- documents -> tokens -----------------------------------------------------------------------------------------
+
+    def _split(self, text: str) -> tuple[list[str], list[str]]:
+        s = self.spec
+        if len(text) <= s.piece_chars:
+            return [text], ["end"]
+        cuts, _ = cut_text(text, self.rule, s.piece_chars, s.max_chars)
+        bounds = [0, *(c for c, _ in cuts), len(text)]
+        return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], [k for _, k in cuts] + ["end"]
+
+    def _documents(self, docs: list[str], out: Encoded) -> None:
+        """Tokens of whole documents (each followed by the eod id) into `out`; a document without tokens is left out."""
+        pieces: list[str] = []
+        counts: list[int] = []  # pieces per document
+        kinds_of: dict[int, list[str]] = {}  # the cut kinds of the documents cut into pieces
+        limit = self.spec.piece_chars
+        for k, text in enumerate(docs):
+            if len(text) <= limit:
+                pieces.append(text)
+                counts.append(1)
+            else:
+                p, kinds = self._split(text)
+                pieces += p
+                counts.append(len(p))
+                kinds_of[k] = kinds
+                out.forced += kinds.count("forced")
+        packed = self._encode_many(pieces)
+        chunks, sizes, item, eod = [], [], self.dtype.itemsize, self.eod
+        at = 0
+        for k, count in enumerate(counts):
+            if count == 1:
+                b = packed[at]
+                n = len(b) // item
+                if n:
+                    chunks.append(b)
+            else:
+                doc = packed[at : at + count]
+                n = sum(map(len, doc)) // item
+                if n and not sizes:  # the task's first document: where a lone document could be split
+                    pos = 0
+                    for b, kind in zip(doc, kinds_of[k], strict=True):
+                        pos += len(b) // item
+                        if kind == "line":
+                            out.cuts.append(pos)
+                chunks += doc
+            at += count
+            if n:
+                chunks.append(eod)
+                sizes.append(n + 1)
+        out.tokens = b"".join(chunks)
+        out.sizes = np.asarray(sizes, dtype="<i8").tobytes()
+
+    def _record(self, out: Encoded, where: int, reason: str) -> bool:
+        """A bad record: counted under skip_bad (True: go on), else the task's error (False: stop)."""
+        if self.spec.skip_bad:
+            out.skipped += 1
+            if out.first_skipped is None:
+                out.first_skipped = (where, reason)
+            return True
+        out.bad = (where, reason)
+        return False
+
+    def _lines(self, data: bytes) -> Encoded:
+        out = Encoded()
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        out.lines = len(lines)
+        field_name, docs = self.spec.text_field, []
+        for i, line in enumerate(lines):
+            if not line or line.isspace():
+                continue
+            try:
+                try:
+                    obj = json.loads(line)
+                except ValueError as e:
+                    raise ValueError(f"not valid JSON ({e})") from None
+                if not isinstance(obj, dict):
+                    raise ValueError(f'expected a JSON object with a string "{field_name}" field')
+                text = obj.get(field_name)
+                nbytes = corpus.document_bytes(text, field_name)
+            except ValueError as e:
+                if self._record(out, i, str(e)):
+                    continue
+                break
+            docs.append(text)
+            out.text_bytes += nbytes
+        self._documents(docs, out)
+        return out
+
+    def _rows(self, task: RowsTask) -> Encoded:
+        out = Encoded()
+        docs = []
+        for i, text in enumerate(task.texts):
+            if text is None:
+                if self._record(out, task.first_row + i, f'"{self.spec.text_field}" is null'):
+                    continue
+                break
+            docs.append(text)
+        out.text_bytes = sum(len(t.encode("utf-8")) for t in docs)
+        self._documents(docs, out)
+        return out
+
+    def _pieces(self, task: PiecesTask) -> Encoded:
+        """Pieces of a text document: its tokens only (the reader's side adds the eod at the document's end)."""
+        out = Encoded()
+        out.text_bytes = sum(len(t.encode("utf-8")) for t in task.pieces)
+        packed = self._encode_many(task.pieces)
+        item, at = self.dtype.itemsize, 0
+        for b, kind in zip(packed, task.kinds, strict=True):
+            at += len(b) // item
+            if kind == "line":
+                out.cuts.append(at)
+        out.forced = task.kinds.count("forced")
+        out.tokens = b"".join(packed)
+        return out
+
+
+def _read_range(path: str, start: int, end: int) -> bytes:
+    """The lines that start in [start, end), each whole: a line is read by the range where it starts."""
+    try:
+        with open(path, "rb") as f:
+            pos = 0
+            if start > 0:
+                f.seek(start - 1)
+                pos = start - 1 + len(f.readline())  # the rest of the line that started before `start`
+            if pos >= end:
+                return b""
+            f.seek(pos)
+            data = f.read(end - pos)
+            if data and not data.endswith(b"\n"):
+                data += f.readline()
+            return data
+    except OSError as e:
+        raise DataError(f"cannot read input {path}: {e.strerror}") from None
+
+
+def count_line_starts(path: Path, offset: int) -> int:
+    """How many lines start before byte `offset` of a file (for the line numbers of a range read from the middle)."""
+    if offset <= 0:
+        return 0
+    n, left = 1, offset - 1  # line 1 starts at 0; another after every newline before offset - 1
+    with open(path, "rb") as f:
+        while left > 0:
+            block = f.read(min(left, 1 << 24))
+            if not block:
+                break
+            n += block.count(b"\n")
+            left -= len(block)
+    return n
+
+
+# -- the reader side: one unit of input -> tasks -----------------------------------------------------------------------
+
+
+def unit_tasks(
+    path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int
+) -> Iterator[tuple[Task | ReadFailure, int]]:
+    """(task, input bytes it accounts for) for bytes [start, end) of one input (a whole file unless it is an
+    uncompressed JSONL split by range)."""
+    fmt = corpus.input_format(path)
+    if fmt is None:
+        yield ReadFailure(f"{path}: unsupported input type; rwkvx reads {corpus.SUPPORTED}"), end - start
+        return
+    try:
+        if fmt.kind == "jsonl" and fmt.compression is None:
+            for a in range(start, end, batch_bytes):
+                yield RangeTask(str(path), a, min(end, a + batch_bytes)), min(end, a + batch_bytes) - a
+        elif fmt.kind == "jsonl":
+            yield from _compressed_jsonl_tasks(path, fmt.compression, batch_bytes)
+        elif fmt.kind == "text":
+            yield from _text_tasks(path, fmt.compression, spec, batch_bytes)
+        else:
+            yield from _parquet_tasks(path, spec.text_field, batch_bytes)
+    except DataError as e:
+        yield ReadFailure(str(e)), 0
+    except FileNotFoundError:
+        yield ReadFailure(f"input file not found: {path}"), 0
+    except OSError as e:
+        yield ReadFailure(f"cannot read input {path}: {e.strerror}"), 0
+
+
+def _compressed_jsonl_tasks(path: Path, compression: str, batch_bytes: int) -> Iterator[tuple[LinesTask, int]]:
+    with open(path, "rb") as f:
+        parts: list[bytes] = []
+        size = nbytes = 0
+        for block, n in corpus.decompressed(f, compression, path):
+            nbytes += n
+            parts.append(block)
+            size += len(block)
+            if size >= batch_bytes:
+                data = b"".join(parts)
+                end = data.rfind(b"\n") + 1
+                if end:
+                    yield LinesTask(data[:end]), nbytes
+                    parts, size, nbytes = [data[end:]], len(data) - end, 0
+                else:
+                    parts = [data]  # one line longer than a batch: read on to its end
+        data = b"".join(parts)
+        if data or nbytes:
+            yield LinesTask(data), nbytes
+
+
+def _text_tasks(path: Path, compression: str | None, spec: EncoderSpec, batch_bytes: int) -> Iterator:
+    rule = CutRule.from_name(spec.rule)
+    decoder = codecs.getincrementaldecoder("utf-8")("strict")
+    carry, offset = "", 0
+    pieces: list[str] = []
+    kinds: list[str] = []
+    chars = nbytes = 0
+    with open(path, "rb") as f:
+        blocks = corpus.decompressed(f, compression, path, corpus._BLOCK_BYTES)
+        while True:
+            block, n = next(blocks, (None, 0))
+            final = block is None
+            nbytes += n
+            try:
+                carry += decoder.decode(block or b"", final=final)
+            except UnicodeDecodeError as e:
+                yield ReadFailure(f"{path} is not UTF-8 text (invalid byte near offset {offset + e.start})"), nbytes
+                return
+            offset += len(block or b"")
+            cuts, rest = cut_text(carry, rule, spec.piece_chars, spec.max_chars, final=final)
+            at = 0
+            for c, kind in cuts:
+                pieces.append(carry[at:c])
+                kinds.append(kind)
+                chars += c - at
+                at = c
+            if final:
+                pieces.append(carry[at:])
+                kinds.append("end")
+                yield PiecesTask(pieces, kinds), nbytes
+                return
+            carry = carry[rest:]
+            if chars >= batch_bytes:
+                yield PiecesTask(pieces, kinds), nbytes
+                pieces, kinds, chars, nbytes = [], [], 0, 0
+
+
+def _parquet_tasks(path: Path, text_field: str, batch_bytes: int) -> Iterator[tuple[RowsTask, int]]:
+    pa, pq = corpus.parquet_modules()
+    pf = corpus.open_parquet(path, text_field)
+    size, rows = path.stat().st_size, max(pf.metadata.num_rows, 1)
+    row, reported = 0, 0
+    texts: list[str | None] = []
+    chars = 0
+    first = 1
+    try:
+        for batch in pf.iter_batches(batch_size=corpus._PARQUET_ROWS, columns=[text_field]):
+            values = batch.column(0).to_pylist()
+            texts += values
+            row += len(values)
+            chars += sum(len(t) for t in values if t is not None)
+            if chars >= batch_bytes:
+                done = size * row // rows
+                yield RowsTask(texts, first), done - reported
+                reported, first, texts, chars = done, row + 1, [], 0
+    except (pa.ArrowException, OSError) as e:
+        raise DataError(f"cannot read parquet file {path}: {str(e).splitlines()[0]}") from None
+    yield RowsTask(texts, first), size - reported
+
+
+def default_workers() -> int:
+    """The cores this process may run on."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except (AttributeError, OSError):  # not Linux
+        return os.cpu_count() or 1

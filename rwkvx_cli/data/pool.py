@@ -1,0 +1,257 @@
+"""Worker processes that run `Encoder` tasks, results in task order, with a bounded number of tasks in flight.
+
+Task k goes to worker k % N, and each worker runs its tasks in the order received, so results come back in task order
+by reading the workers in turn: no reordering, and which worker finishes first does not matter. At most `depth` tasks
+wait per worker, so memory is bounded by N * depth tasks and their results, not by the corpus (a plain
+`multiprocessing.Pool.imap` reads its whole input ahead).
+
+Workers come from the forkserver (a fresh single-threaded process, not a fork of this one, whose other threads could
+hold locks: rich's refresh thread, the tokenizers' thread pools). They talk over plain pipes, one each way per
+worker; a thread in the worker receives tasks and another sends results, so neither side ever waits on the other's
+pipe. Each worker ignores SIGINT (this process stops them) and ends when this process ends: after a Ctrl-C, a
+SIGTERM or a kill -9 of it no worker is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing
+import os
+import queue
+import select
+import signal
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
+
+from rwkvx_cli.data.errors import DataError
+
+
+@contextlib.contextmanager
+def worker_pool(n: int, spec, depth: int = 2) -> Iterator[WorkerPool]:
+    pool = WorkerPool(n, spec, depth)
+    try:
+        yield pool
+    except BaseException:
+        pool.kill()
+        raise
+    pool.close()
+
+
+class WorkerPool:
+    def __init__(self, n: int, spec, depth: int = 2):
+        ctx = multiprocessing.get_context("forkserver")
+        # The forkserver imports the encoder once; each worker is a fork of it (milliseconds, no re-import).
+        ctx.set_forkserver_preload(["rwkvx_cli.data.encode"])
+        self.depth = depth
+        self._send, self._recv, self._procs = [], [], []
+        try:
+            with _main_not_imported():
+                for _ in range(n):
+                    task_r, task_w = ctx.Pipe(duplex=False)
+                    result_r, result_w = ctx.Pipe(duplex=False)
+                    p = ctx.Process(target=_worker, args=(task_r, result_w, spec, os.getpid()), daemon=True)
+                    p.start()
+                    task_r.close()  # the worker's ends: closed here, so that its death reads as EOF
+                    result_w.close()
+                    self._send.append(task_w)
+                    self._recv.append(result_r)
+                    self._procs.append(p)
+        except BaseException:
+            self.kill()
+            raise
+
+    def imap(self, items: Iterable[tuple]) -> Iterator[tuple]:
+        """(result, tag) for each (task, tag), in order. A `Local` task is not sent: it is its own result, in its
+        place; nothing after a ReadFailure is read."""
+        from rwkvx_cli.data.encode import Local, ReadFailure
+
+        n = len(self._procs)
+        pending: deque = deque()  # (worker, None, tag), or (None, local task, tag)
+        it = iter(items)
+        sent = in_flight = 0
+        exhausted = False
+        while True:
+            while not exhausted and in_flight < n * self.depth:
+                item = next(it, None)
+                if item is None:
+                    exhausted = True
+                    break
+                task, tag = item
+                if isinstance(task, Local):
+                    pending.append((None, task, tag))
+                    if isinstance(task, ReadFailure):
+                        exhausted = True
+                        break
+                    continue
+                w = sent % n
+                self._put(w, task)
+                pending.append((w, None, tag))
+                sent += 1
+                in_flight += 1
+            if not pending:
+                return
+            w, local, tag = pending.popleft()
+            if w is None:
+                yield local, tag
+            else:
+                in_flight -= 1
+                yield self._get(w), tag
+
+    def _put(self, w: int, task) -> None:
+        try:
+            self._send[w].send(task)
+        except (BrokenPipeError, ConnectionResetError):
+            raise self._death(w) from None
+
+    def _get(self, w: int):
+        try:
+            result = self._recv[w].recv()
+        except (EOFError, ConnectionResetError):
+            raise self._death(w) from None
+        if isinstance(result, _Crash):
+            raise DataError(result.message)
+        return result
+
+    def _death(self, w: int) -> BaseException:
+        """What to raise for a worker that ended without being told to."""
+        p = self._procs[w]
+        p.join(timeout=5)
+        code = p.exitcode
+        if code is not None and -code in (signal.SIGINT, signal.SIGTERM):
+            return KeyboardInterrupt()  # the process group is being stopped
+        how = f"was killed by signal {-code}" if code and code < 0 else f"exited with status {code}"
+        hint = " (out of memory?)" if code == -signal.SIGKILL else ""
+        return DataError(f"tokenizer worker {w} {how}{hint}")
+
+    def close(self) -> None:
+        """Stop the workers after their last task."""
+        for conn in self._send:
+            with contextlib.suppress(OSError):
+                conn.send(None)
+        for p in self._procs:
+            p.join(timeout=10)
+        self.kill()
+
+    def kill(self) -> None:
+        """Stop every worker now (SIGKILL: they hold nothing that needs saving) and close the pipes."""
+        for p in self._procs:
+            if p.is_alive():
+                p.kill()
+        for p in self._procs:
+            p.join(timeout=10)
+        for conn in self._send + self._recv:
+            conn.close()
+
+
+@contextlib.contextmanager
+def _main_not_imported() -> Iterator[None]:
+    """Start workers without importing the caller's __main__ in them (as forkserver and spawn children do, to
+    unpickle what it defines): they need nothing from it, and a script that calls `prepare` outside an
+    `if __name__ == "__main__":` block would run again in every worker."""
+    main = sys.modules.get("__main__")
+    saved = {k: v for k, v in vars(main).items() if k in ("__spec__", "__file__")} if main is not None else {}
+    try:
+        if main is not None:
+            main.__spec__ = None
+            if "__file__" in saved:
+                del main.__file__
+        yield
+    finally:
+        for k, v in saved.items():
+            setattr(main, k, v)
+
+
+class _Crash:
+    """A worker's exception, sent back as the result of its task (pickles whatever the exception was)."""
+
+    def __init__(self, message: str):
+        self.message = message
+
+
+def _die_with(owner: int) -> None:
+    """End this worker when the process that started the pool ends, however it ends (kill -9 included).
+
+    The forkserver, our parent, does not end with it: each worker holds the pipe end whose closing would tell the
+    forkserver to go. So a thread waits for the owner itself (a pidfd; polling where there is none)."""
+    try:
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG: and if the forkserver goes
+    except (OSError, AttributeError):
+        pass
+
+    def watch() -> None:
+        try:
+            fd = os.pidfd_open(owner)
+        except (AttributeError, OSError):
+            fd = None
+        if fd is not None:
+            select.select([fd], [], [])  # readable when the owner has exited
+        else:
+            while True:
+                time.sleep(1.0)
+                try:
+                    os.kill(owner, 0)
+                except ProcessLookupError:
+                    break
+                except PermissionError:
+                    continue
+        os._exit(1)
+
+    threading.Thread(target=watch, name="owner-watch", daemon=True).start()
+    try:
+        os.kill(owner, 0)
+    except ProcessLookupError:  # gone before the watch began
+        os._exit(1)
+
+
+def _worker(tasks, results, spec, owner: int) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner stops us
+    _die_with(owner)
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
+    inbox: queue.SimpleQueue = queue.SimpleQueue()
+    outbox: queue.SimpleQueue = queue.SimpleQueue()
+
+    def receive() -> None:
+        try:
+            while True:
+                task = tasks.recv()
+                inbox.put(task)
+                if task is None:
+                    return
+        except (EOFError, OSError):  # the owner closed its end
+            inbox.put(None)
+
+    def send() -> None:
+        while (result := outbox.get()) is not None:
+            try:
+                results.send(result)
+            except OSError:  # the owner is gone
+                os._exit(1)
+
+    threading.Thread(target=receive, name="tasks", daemon=True).start()
+    sender = threading.Thread(target=send, name="results")
+    sender.start()
+    from rwkvx_cli.data.encode import Encoder
+
+    try:
+        encoder = Encoder(spec)
+    except Exception as e:
+        encoder = None
+        failure = _Crash(f"cannot start a tokenizer worker: {e}")
+    while (task := inbox.get()) is not None:
+        if encoder is None:
+            result = failure
+        else:
+            try:
+                result = encoder.run(task)
+            except DataError as e:
+                result = _Crash(str(e))
+            except Exception as e:  # a bug: say what, in order, instead of a hang
+                result = _Crash(f"tokenizer worker failed: {type(e).__name__}: {e}")
+        outbox.put(result)
+    outbox.put(None)
+    sender.join()

@@ -1,0 +1,335 @@
+"""Benchmark of `prepare` against its tokenizer alone, on a corpus it generates.
+
+    python -m rwkvx_cli.tools.bench_prepare [--mb 300] [--tokenizers byte,bpe,world] [--workers 1,2]
+                                            [--style prose|verse] [--json PATH] [--dir DIR] [--keep]
+
+The corpus is JSONL of Shakespeare-derived documents (`data/tinyshakespeare.txt`, nothing downloaded): spans of
+consecutive lines of log-normal length (median 2,500 characters, capped at 200,000), as verse (its own line
+breaks) or as prose (each speech one paragraph, speeches one per line, as in web text). For each tokenizer (`bpe`:
+byte-level BPE of 8,192 ids trained on the source text) it measures, in this run, the tokenizer alone on one core
+(documents encoded one at a time, JSON parsing not timed; for BPE also in batches, the faster counts), then
+`prepare` with each worker count, and reports MB/s of document text (over the whole tokenizing phase, and "steady":
+from the first task's result to the last, without the workers' start-up), tokens/s and the ratios: workers 1
+against the tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as
+`rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped outputs) and its
+workers' are sampled every 0.1 s. The load average is recorded before and after each measurement, because a
+shared machine's other users skew it. Prints a table and, with --json, writes every figure.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+SOURCE = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
+
+
+def generate(path: Path, megabytes: float, style: str, source: Path = SOURCE, seed: int = 0) -> dict:
+    """Write the JSONL corpus; returns its size and document count."""
+    import re
+
+    lines = source.read_text(encoding="utf-8").splitlines(keepends=True)
+    starts = np.cumsum([0] + [len(line) for line in lines])
+    rng = np.random.default_rng(seed)
+    target, size, docs = int(megabytes * 1e6), 0, 0
+    with open(path, "w", encoding="utf-8") as f:
+        while size < target:
+            length = int(min(rng.lognormal(np.log(2500), 1.0), 200_000))
+            a = int(rng.integers(0, len(lines)))
+            b = max(a + 1, int(np.searchsorted(starts, starts[a] + length)))
+            text = "".join(lines[a:b])
+            if style == "prose":
+                speeches = (s.replace("\n", " ").strip() for s in re.split(r"\n\s*\n", text))
+                text = "\n".join(s for s in speeches if s)
+            record = json.dumps({"text": text, "id": docs}, ensure_ascii=False) + "\n"
+            f.write(record)
+            size += len(record.encode("utf-8"))
+            docs += 1
+    return {"bytes": size, "documents": docs, "style": style}
+
+
+def _load() -> list[float]:
+    return [round(x, 2) for x in os.getloadavg()]
+
+
+def _batches(path: Path, n: int = 1000):
+    batch: list[str] = []
+    with open(path, "rb") as f:
+        for line in f:
+            batch.append(json.loads(line)["text"])
+            if len(batch) == n:
+                yield batch
+                batch = []
+    if batch:
+        yield batch
+
+
+def tokenizer_alone(kind: str, tokenizer, corpus: Path) -> dict:
+    """The tokenizer on one core, documents one at a time (and for BPE in batches): text MB/s, tokens/s."""
+    load_before = _load()
+    seconds, tokens, text_bytes = {"one": 0.0, "batch": 0.0}, 0, 0
+    previous = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core
+    try:
+        if kind == "world":
+            one = tokenizer._engine.encode
+        elif kind == "byte":
+            def one(t):
+                return np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint16) + 1
+        else:
+            hf = tokenizer._tok
+
+            def one(t):
+                return hf.encode(t, add_special_tokens=False).ids
+        for docs in _batches(corpus):
+            text_bytes += sum(len(t.encode("utf-8")) for t in docs)
+            t0 = time.perf_counter()
+            for t in docs:
+                tokens += len(one(t))
+            seconds["one"] += time.perf_counter() - t0
+            if kind == "bpe":
+                t0 = time.perf_counter()
+                hf.encode_batch_fast(docs, add_special_tokens=False)
+                seconds["batch"] += time.perf_counter() - t0
+    finally:
+        if previous is None:
+            os.environ.pop("TOKENIZERS_PARALLELISM", None)
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = previous
+    best = min(s for s in seconds.values() if s > 0)
+    out = {
+        "text_mb_per_s": text_bytes / 1e6 / best,
+        "tokens_per_s": tokens / best,
+        "seconds": best,
+        "tokens": tokens,
+        "text_bytes": text_bytes,
+        "load_before": load_before,
+        "load_after": _load(),
+    }
+    if kind == "bpe":
+        out["one_at_a_time_mb_per_s"] = text_bytes / 1e6 / seconds["one"]
+        out["batched_mb_per_s"] = text_bytes / 1e6 / seconds["batch"]
+    return out
+
+
+def _rss_anon(pid: int) -> int | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("RssAnon:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            except (OSError, ValueError, IndexError):
+                continue
+            if ppid == pid:
+                kids.append(int(entry.name))
+    return kids
+
+
+class MemorySampler:
+    """Peak RssAnon of a process and of its descendants (the forkserver and the workers), every 0.1 s."""
+
+    def __init__(self, pid: int):
+        self.pid = pid
+        self.peak_main = 0
+        self.peak_worker = 0
+        self.peak_total = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.1):
+            main = _rss_anon(self.pid) or 0
+            todo, others = _children(self.pid), []
+            while todo:
+                p = todo.pop()
+                others.append(p)
+                todo += _children(p)
+            workers = [_rss_anon(p) or 0 for p in others]
+            self.peak_main = max(self.peak_main, main)
+            self.peak_worker = max([self.peak_worker, *workers])
+            self.peak_total = max(self.peak_total, main + sum(workers))
+
+    def __enter__(self) -> MemorySampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+_CHILD = """
+import json, sys, time
+from rwkvx_cli.data import prepare
+seen = []
+t0 = time.perf_counter()
+s = prepare([sys.argv[1]], sys.argv[2], sys.argv[3], workers=int(sys.argv[4]),
+            on_progress=lambda p: seen.append((time.perf_counter(), p.bytes_done)))
+done = [(t, b) for t, b in seen if b > 0]
+steady = (done[-1][1] - done[0][1]) / (done[-1][0] - done[0][0]) if len(done) > 2 else None
+print(json.dumps({"wall": time.perf_counter() - t0, "tokenize": s.tokenize_seconds, "load": s.tokenizer_seconds,
+                  "text_bytes": s.text_bytes, "bytes": s.bytes, "tokens": s.train_tokens + s.val_tokens,
+                  "documents": s.documents, "workers": s.workers, "cut_rule": s.cut_rule, "steady": steady}))
+"""
+
+
+def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) -> dict:
+    """`prepare` in a fresh process (as `rwkvx data prepare` runs), its memory sampled from here."""
+    import subprocess
+
+    shutil.rmtree(out, ignore_errors=True)
+    load_before = _load()
+    paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", _CHILD, str(corpus), str(out), str(tokenizer), str(workers)],
+        stdout=subprocess.PIPE, text=True, env=env,
+    )
+    with MemorySampler(proc.pid) as sampler:
+        stdout, _ = proc.communicate()
+    if proc.returncode:
+        raise SystemExit(f"prepare failed (exit {proc.returncode})")
+    r = json.loads(stdout.strip().splitlines()[-1])
+    shutil.rmtree(out, ignore_errors=True)
+    return {
+        "workers": r["workers"],
+        "text_mb_per_s": r["text_bytes"] / 1e6 / r["tokenize"],
+        "input_mb_per_s": r["bytes"] / 1e6 / r["tokenize"],
+        "tokens_per_s": r["tokens"] / r["tokenize"],
+        # From the first task's result to the last: without starting the workers and loading their tokenizers.
+        "steady_text_mb_per_s": r["steady"] * r["text_bytes"] / r["bytes"] / 1e6 if r["steady"] else None,
+        "tokenize_seconds": r["tokenize"],
+        "wall_seconds": r["wall"],
+        "split_and_write_seconds": r["wall"] - r["tokenize"] - r["load"],
+        "tokens": r["tokens"],
+        "documents": r["documents"],
+        "cut_rule": r["cut_rule"],
+        "peak_rss_anon_mb": {
+            "main": sampler.peak_main / 1e6,
+            "largest_worker": sampler.peak_worker / 1e6,
+            "all": sampler.peak_total / 1e6,
+        },
+        "load_before": load_before,
+        "load_after": _load(),
+    }
+
+
+def machine() -> dict:
+    cpu = "unknown"
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    from rwkvx_cli.data.encode import default_workers
+
+    cores = default_workers()
+    return {"cpu": cpu, "cores_available": cores, "cpu_count": os.cpu_count(), "python": sys.version.split()[0]}
+
+
+def projection(w1_text_mb_per_s: float, scaling: float | None) -> dict:
+    """Hours for 1 TB of text: the single-worker rate times cores times the 2-worker efficiency measured here."""
+    efficiency = min(1.0, scaling / 2) if scaling else 1.0
+    return {
+        str(c): round(1e12 / (w1_text_mb_per_s * 1e6 * (1 if c == 1 else c * efficiency)) / 3600, 1)
+        for c in (1, 2, 8, 32, 64, 128)
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m rwkvx_cli.tools.bench_prepare", description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=float, default=300.0, help="corpus size in MB (default 300)")
+    ap.add_argument("--tokenizers", default="byte,bpe,world")
+    ap.add_argument("--workers", default="1,2", help="worker counts to time (default 1,2)")
+    ap.add_argument("--style", choices=("prose", "verse"), default="prose")
+    ap.add_argument("--json", type=Path, help="write every figure here")
+    ap.add_argument("--dir", type=Path, help="where the corpus and outputs go (default: a temporary directory)")
+    ap.add_argument("--keep", action="store_true", help="keep the generated corpus")
+    ap.add_argument("--source", type=Path, default=SOURCE, help="the text the documents are drawn from")
+    args = ap.parse_args(argv)
+    from rwkvx_cli.data.tokenizer import BPETokenizer, load_tokenizer
+
+    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-prepare-"))
+    work.mkdir(parents=True, exist_ok=True)
+    corpus = work / f"corpus-{args.style}-{args.mb:g}MB.jsonl"
+    command = " ".join(["python -m rwkvx_cli.tools.bench_prepare", *(sys.argv[1:] if argv is None else argv)])
+    report: dict = {"machine": machine(), "command": command}
+    try:
+        t0 = time.perf_counter()
+        report["corpus"] = generate(corpus, args.mb, args.style, args.source)
+        report["corpus"]["generate_seconds"] = time.perf_counter() - t0
+        report["tokenizers"] = {}
+        for kind in args.tokenizers.split(","):
+            if kind == "bpe":
+                tok = BPETokenizer.train([args.source.read_text(encoding="utf-8")], 8192)
+                tok.save(work / "bpe.json")
+                name: str | Path = work / "bpe.json"
+            else:
+                tok, name = load_tokenizer(kind), kind
+                tok.encode_arrays(["warm"])
+            entry = {"alone": tokenizer_alone(kind, tok, corpus), "prepare": {}}
+            for n in (int(w) for w in args.workers.split(",")):
+                entry["prepare"][str(n)] = prepare_run(corpus, work / f"out-{kind}-{n}", name, n)
+            runs = entry["prepare"]
+            if "1" in runs:
+                entry["workers_1_vs_alone"] = runs["1"]["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
+                for n, r in runs.items():
+                    if n != "1":
+                        entry[f"workers_{n}_vs_1"] = r["text_mb_per_s"] / runs["1"]["text_mb_per_s"]
+                        if r["steady_text_mb_per_s"] and runs["1"]["steady_text_mb_per_s"]:
+                            steady = r["steady_text_mb_per_s"] / runs["1"]["steady_text_mb_per_s"]
+                            entry[f"workers_{n}_vs_1_steady"] = steady
+                entry["hours_per_tb_by_cores"] = projection(runs["1"]["text_mb_per_s"], entry.get("workers_2_vs_1"))
+            report["tokenizers"][kind] = entry
+            _print_entry(kind, entry)
+    finally:
+        if not args.keep:
+            corpus.unlink(missing_ok=True)
+        if not args.dir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+def _print_entry(kind: str, e: dict) -> None:
+    a = e["alone"]
+    print(f"{kind}: tokenizer alone {a['text_mb_per_s']:.1f} MB/s, {a['tokens_per_s'] / 1e6:.2f}M tokens/s "
+          f"(load {a['load_before']} -> {a['load_after']})")
+    for n, r in e["prepare"].items():
+        mem = r.get("peak_rss_anon_mb")
+        extra = f", peak RssAnon main {mem['main']:.0f} MB, worker {mem['largest_worker']:.0f} MB" if mem else ""
+        steady = f" (steady {r['steady_text_mb_per_s']:.1f})" if r.get("steady_text_mb_per_s") else ""
+        print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s{steady}, "
+              f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s, "
+              f"split+write {r['split_and_write_seconds']:.1f} s (load {r['load_before']} -> {r['load_after']}){extra}")
+    for key in sorted(k for k in e if k.startswith("workers_")):
+        print(f"  {key.replace('_', ' ')}: {e[key]:.2f}x")
+    if "hours_per_tb_by_cores" in e:
+        hours = e["hours_per_tb_by_cores"]
+        print("  1 TB of text, hours by cores: " + ", ".join(f"{c}: {h}" for c, h in hours.items()))
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
