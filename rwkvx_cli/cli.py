@@ -75,15 +75,16 @@ def init(
     config: ConfigOpt = None,
     overrides: Overrides = None,
     out_dir: Annotated[Path | None, typer.Option("--out", help="Run directory (default: the config's).")] = None,
+    start: Annotated[Path | None, typer.Option("--from", help="Start from these weights; their sizes.")] = None,
 ) -> None:
-    """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer)."""
+    """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer).
+    With --from (train.init_from), the model's sizes are read from the weights."""
     from rwkvx_cli.config import load_config
     from rwkvx_cli.render import data_progress, prepared_line, print_summary
     from rwkvx_cli.train.runner import init_run
 
     cfg = load_config(config, overrides or [])
-    if out_dir is not None:
-        cfg.run_dir = str(out_dir)
+    cfg.run_dir, cfg.train.init_from = str(out_dir or cfg.run_dir), str(start or cfg.train.init_from)
     summary = init_run(cfg, data_progress=data_progress, on_prepared=lambda stats: out.print(prepared_line(stats)))
     print_summary(summary, Path(cfg.run_dir))
 
@@ -202,26 +203,25 @@ def choices(name: str, *values: str) -> type[Enum]:
     return Enum(name, {v: v for v in values}, type=str)
 
 
-ExportFormat = choices("ExportFormat", "rwkv-lm", "safetensors")
+ExportFormat = choices("ExportFormat", "rwkv-lm", "safetensors", "hf", "rwkv-x")
 ExportDtype = choices("ExportDtype", "fp32", "bf16", "fp16")
+FormatOpt = Annotated[ExportFormat, typer.Option("--format", help="rwkv-lm, safetensors, hf (a dir), rwkv-x.")]
 
 
 @app.command()
 @reports_errors
 def export(
     checkpoint: CheckpointOpt,
-    out_path: Annotated[Path, typer.Option("--out", help="Output file, e.g. model.pth.")],
-    fmt: Annotated[ExportFormat, typer.Option("--format", help="rwkv-lm (.pth state dict) or safetensors.")] = (
-        ExportFormat["rwkv-lm"]
-    ),
+    out_path: Annotated[Path, typer.Option("--out", help="Output file (hf: a directory).")],
+    fmt: FormatOpt = ExportFormat["rwkv-lm"],
     dtype: Annotated[ExportDtype, typer.Option(help="Tensor dtype of the file.")] = ExportDtype["fp32"],
-    force: Annotated[bool, typer.Option("--force", help="Replace an existing --out file.")] = False,
+    force: Annotated[bool, typer.Option("--force", help="Replace --out; export non-finite values anyway.")] = False,
 ) -> None:
-    """Write a checkpoint as RWKV-LM's state dict (.pth, tensors only) or as safetensors."""
+    """Write a checkpoint for other tools: RWKV-LM .pth, safetensors, Hugging Face (fla) dir, RWKV-X .pth."""
+    from rwkvx_cli.render import render_export
     from rwkvx_cli.runs.export import export_checkpoint
 
-    info = export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=warn_skipped, force=force)
-    out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})", markup=False)
+    render_export(export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=warn_skipped, force=force))
 
 
 BenchDevice = choices("BenchDevice", "auto", "cpu", "cuda")

@@ -73,6 +73,13 @@ class ModelConfig:
     layers: list[str] = field(default_factory=list)
     # rwkv8 blocks: one value head (the block input) shared by every head, or one per head.
     rwkv8_shared_value: bool = True
+    # RWKV-7's low-rank sizes of the decay (w), in-context learning rate (a), value residual (v) and
+    # gate (g); 0 = RWKV-LM's rule from n_embd. Released checkpoints above 0.1B use other ranks
+    # (0.4B: 64, 64, 32, 128); `train.init_from` reads them from the weights.
+    lora_w: int = 0
+    lora_a: int = 0
+    lora_v: int = 0
+    lora_g: int = 0
 
 
 def expand_layers(spec: list[str]) -> list[str]:
@@ -186,10 +193,16 @@ LOGGERS = ("jsonl", "tensorboard", "wandb")
 
 @dataclass
 class Config:
+    """The run's settings. `written` (not a field: never saved) holds the `section.key` names the YAML
+    and the overrides set, for rules that treat a value written from one left at its default
+    (e.g. sizes read from train.init_from's weights)."""
+
     run_dir: str = "runs/tiny"
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     train: TrainConfig = field(default_factory=TrainConfig)
+
+    written = frozenset()  # no annotation: not a dataclass field, so never in config_to_dict
 
     def validate(self, written: Collection[str] = ()) -> None:
         """Check every value and derive model.n_layer / model.n_attn from model.layers. `written`:
@@ -218,6 +231,7 @@ class Config:
             (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
             (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
+            (min(m.lora_w, m.lora_a, m.lora_v, m.lora_g) >= 0, "model.lora_w", "the lora_* ranks must be >= 0"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
@@ -406,7 +420,8 @@ def _written_keys(data: dict) -> set[str]:
 
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data)
-    cfg.validate(_written_keys(data))
+    cfg.written = frozenset(_written_keys(data))
+    cfg.validate(cfg.written)
     return cfg
 
 
@@ -431,8 +446,9 @@ def load_config(path: Path | str | None, overrides: list[str] = ()) -> Config:
             raise ConfigError(f"{path}: invalid YAML (nested too deeply)") from None
         if not isinstance(data, dict):
             raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    given = {o.split("=", 1)[0].strip() for o in overrides}
+    if given & {"data.mix", "data.binidx"} and "data.corpus" not in given and isinstance(data.get("data"), dict):
+        data["data"].pop("corpus", None)  # a source given on the command line replaces the file's
     for override in overrides:
         _set_dotted(data, override)
-    cfg = _build(Config, data)
-    cfg.validate(_written_keys(data))
-    return cfg
+    return config_from_dict(data)

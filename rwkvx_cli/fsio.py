@@ -101,13 +101,9 @@ def atomic_write_text(path: str | os.PathLike, text: str) -> None:
 RUN_FILES = ("config.yaml", "tokenizer.json", "metrics.jsonl", ".rwkvx-run", ".rwkvx-lock", "source.json")
 
 
-def check_output(path: Path | str, force: bool = False, flag: str = "--out") -> Path:
-    """Refuse an output file that would destroy something: a directory, a path inside a checkpoint
-    or a run's checkpoints folder or a prepared-data directory, a run's own files, a path under a
-    file, or (without `force`) any existing file. Returns the path."""
-    path = Path(path)
-    if str(path).strip() == "" or path.is_dir() or str(path).endswith(os.sep):
-        raise UsageError(f"{flag} {path} is a directory; give a file name")
+def check_place(path: Path | str, flag: str = "--out") -> None:
+    """Refuse an output (file or directory) that would land inside a checkpoint, a run's checkpoints
+    folder or a prepared-data directory, or under a file."""
     full = Path(os.path.abspath(path))
     for d in full.parents:
         in_root = d == full.parent and any(d.glob("step_*/meta.json"))  # a run's checkpoints folder
@@ -117,6 +113,17 @@ def check_output(path: Path | str, force: bool = False, flag: str = "--out") -> 
             raise UsageError(f"{flag} {path} is inside a prepared-data directory ({d}); write it elsewhere")
         if d.exists() and not d.is_dir():
             raise UsageError(f"{flag} {path} is under a file ({d})")
+
+
+def check_output(path: Path | str, force: bool = False, flag: str = "--out") -> Path:
+    """Refuse an output file that would destroy something: a directory, a path inside a checkpoint
+    or a run's checkpoints folder or a prepared-data directory, a run's own files, a path under a
+    file, or (without `force`) any existing file. Returns the path."""
+    path = Path(path)
+    if str(path).strip() == "" or path.is_dir() or str(path).endswith(os.sep):
+        raise UsageError(f"{flag} {path} is a directory; give a file name")
+    check_place(path, flag)
+    full = Path(os.path.abspath(path))
     if full.name in RUN_FILES and (full.parent / RUN_MARKER).exists():
         raise UsageError(f"{flag} {path} is one of the run's own files; write it elsewhere")
     if (path.exists() or path.is_symlink()) and not force:

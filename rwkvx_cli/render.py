@@ -227,6 +227,18 @@ def render_tasks(scores, as_json: bool, output: Path | None) -> None:
         err.print(f"wrote {output}", markup=False)
 
 
+def render_export(info: dict) -> None:
+    for line in info["warnings"]:
+        warning(f"exported anyway (--force): {line}")
+    out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})", markup=False)
+    if info.get("left_out"):
+        out.print(f"not in the format (unused by it): {', '.join(info['left_out'])}", markup=False)
+    if info.get("tokenizer"):
+        out.print(f"tokenizer: {info['tokenizer']}", markup=False)
+    if info.get("rwkv_x_args"):
+        out.print("RWKV-X: " + " ".join(f"--{k} {v}" for k, v in info["rwkv_x_args"].items()), markup=False)
+
+
 def render_prepared(stats) -> None:
     out.print(prepared_line(stats), soft_wrap=True)
     prepare_warnings(stats)
@@ -334,7 +346,22 @@ def print_summary(summary: dict, run_dir: Path) -> None:
         f"train FLOPs/token {fmt_count(summary['train_flops_per_token'])} · "
         f"recurrent state {summary['state_bytes_per_sequence_fp32'] / 1024:.1f} KiB/sequence (fp32)"
     )
+    if summary.get("initial"):
+        print_initial(summary["initial"])
     out.print(f"run directory: {run_dir}")
+
+
+def print_initial(report: dict) -> None:
+    """What train.init_from gave the model: its sizes, and an upcycle's plan per block."""
+    out.print(f"weights from {report['source']} ({report['layout']}): {report['sizes']}", markup=False)
+    if report["plan"] is None:
+        return
+    table = Table(title="upcycle: what each block starts from", title_justify="left")
+    for head in ("target", "action", "source", "tensors"):
+        table.add_column(head, justify="right" if head == "tensors" else "left")
+    for target, action, source, n in report["plan"]:
+        table.add_row(target, action, source, str(n))
+    print_wide(table)
 
 
 def eta_seconds(m, total_steps: int) -> float:
@@ -427,6 +454,8 @@ class TrainConsole:
             line = f"resumed from step {payload}" if payload else "no checkpoint to resume from: starting at step 0"
             if self.dist.is_main:
                 err.print(line)
+        elif kind == "initial":
+            print_initial(payload)
         elif kind == "changed":
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in payload.items())
             warning(f"continuing with changed settings (--allow-change): {changed}; not an exact resume")

@@ -1,5 +1,16 @@
-"""Export a checkpoint: RWKV-LM's `.pth` state dict (tensors only, loadable with
-`torch.load(weights_only=True)` and by the `rwkv` pip package), or safetensors."""
+"""Export a checkpoint for other tools (docs/formats.md):
+
+    rwkv-lm      RWKV-LM's `.pth` state dict (tensors only: `torch.load(weights_only=True)`, the `rwkv`
+                 pip package), plain RWKV-7 stacks
+    safetensors  rwkvx's own names, with the run's config in the file's metadata
+    hf           a Hugging Face directory in fla's RWKV-7 layout (config.json, sharded safetensors,
+                 the tokenizer's files), loadable by `transformers` with fla
+    rwkv-x       RWKV-X's `.pth` layout (RWKV-7 and MoBA blocks)
+
+Every format reads the checkpoint tensor by tensor and writes a temporary file or directory that
+is renamed into place. Weights a reader would get wrong are refused unless `force`: non-finite
+values, and values the chosen dtype turns into inf (an fp16 export of |x| > 65504).
+"""
 
 from __future__ import annotations
 
@@ -15,28 +26,85 @@ from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
 from rwkvx_cli.runs import store
+from rwkvx_cli.runs.formats import export_hf, export_rwkv_x
+from rwkvx_cli.runs.formats.tensors import TensorSource, open_tensors
 from rwkvx_cli.runs.opening import find_checkpoint
+from rwkvx_cli.runs.tokenizers import run_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+FORMATS = ("rwkv-lm", "safetensors", "hf", "rwkv-x")
 
 
 def export_checkpoint(
     checkpoint: Path, out: Path, fmt: str, dtype: str = "fp32", on_skip=None, force: bool = False
 ) -> dict:
-    """`on_skip(path, reason)` hears of each damaged checkpoint passed over for an older one. An
-    existing `out` is replaced only with `force`; never a directory, nor a file in a checkpoint."""
-    if fmt not in ("rwkv-lm", "safetensors"):
-        raise UsageError(f"unknown export format {fmt!r}; valid: rwkv-lm, safetensors")
+    """`on_skip(path, reason)` hears of each damaged checkpoint passed over for an older one. `force`
+    replaces an existing `out` and exports weights that `value_problems` finds (the summary's
+    "warnings" say how many values). Never into a checkpoint or a prepared-data directory."""
+    if fmt not in FORMATS:
+        raise UsageError(f"unknown export format {fmt!r}; valid: {', '.join(FORMATS)}")
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    out = check_output(out, force, "--out")
+    out = Path(out)
+    if fmt in ("rwkv-lm", "safetensors", "rwkv-x"):
+        check_output(out, force, "--out")
     ckpt = find_checkpoint(checkpoint, on_skip)
-    path, meta = ckpt.path, ckpt.meta
     other = sorted(set(layer_kinds(ckpt.config.model)) - {"rwkv7"})
-    if fmt == "rwkv-lm" and other:
-        raise RwkvxError(f"the rwkv-lm format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
-    weights = store.load_weights(path)
-    tensors = {k: v.to(DTYPES[dtype]).contiguous() for k, v in weights.items()}
+    if fmt in ("rwkv-lm", "hf") and other:
+        raise RwkvxError(f"the {fmt} format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
+    with open_tensors(ckpt.path / "model.safetensors") as source:  # verified by find_checkpoint
+        warnings = value_problems(source, DTYPES[dtype], str(ckpt.path), force)
+        if fmt == "hf":
+            info = export_hf(source, out, cfg=ckpt.config.model, dtype=dtype, tokenizer=_tokenizer(ckpt), force=force)
+        elif fmt == "rwkv-x":
+            info = export_rwkv_x(source, out, cfg=ckpt.config.model, dtype=dtype, force=force)
+        else:
+            info = _write_file(source, out, fmt, DTYPES[dtype], ckpt.meta)
+    return {**info, "checkpoint": str(ckpt.path), "step": ckpt.step, "warnings": warnings}
+
+
+def value_problems(source: TensorSource, dtype: torch.dtype, where: str, force: bool) -> list[str]:
+    """Count the non-finite values, and the finite ones `dtype` cannot hold, tensor by tensor; refuse
+    (RwkvxError) when there are any, unless `force`: then they come back as warnings."""
+    bad: dict[str, list[str]] = {"non-finite": [], "overflowing": []}
+    counts = {"non-finite": 0, "overflowing": 0}
+    for name in source.names():
+        t = source.get(name)
+        if t.is_floating_point():
+            finite = torch.isfinite(t)
+            for what, n in (
+                ("non-finite", int((~finite).sum())),
+                ("overflowing", int((finite & ~torch.isfinite(t.to(dtype))).sum())),
+            ):
+                if n:
+                    counts[what] += n
+                    bad[what].append(name)
+        source.release(name)
+    lines = []
+    if counts["non-finite"]:
+        lines.append(f"{counts['non-finite']:,} non-finite values (in {_names(bad['non-finite'])})")
+    if counts["overflowing"]:
+        target = str(dtype).removeprefix("torch.")
+        lines.append(f"{counts['overflowing']:,} values too large for {target} (in {_names(bad['overflowing'])})")
+    if lines and not force:
+        raise RwkvxError(f"{where}: {'; '.join(lines)}; a reader would get inf/NaN; pass --force to export anyway")
+    return lines
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _tokenizer(ckpt):
+    """The run's tokenizer for the HF directory's tokenizer files (None when the run's data is gone)."""
+    try:
+        return run_tokenizer(ckpt.config, ckpt.run_dir)
+    except RwkvxError:
+        return None
+
+
+def _write_file(source: TensorSource, out: Path, fmt: str, dtype: torch.dtype, meta: dict) -> dict:
+    tensors = {name: source.get(name).to(dtype).contiguous() for name in source.names()}
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, f = create_temp(out)  # a new file: a link planted at the temporary name is not followed
     try:
@@ -50,4 +118,4 @@ def export_checkpoint(
     except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         tmp.unlink(missing_ok=True)
         raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}") from None
-    return {"checkpoint": str(path), "step": meta["step"], "out": str(out), "format": fmt, "tensors": len(tensors)}
+    return {"out": str(out), "format": fmt, "tensors": len(tensors)}

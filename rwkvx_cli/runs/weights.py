@@ -1,16 +1,14 @@
 """Weights into a model: from a checkpoint of ours or from elsewhere (a `.safetensors` file, an
-RWKV-LM `.pth` state dict), never by unpickling code; a strict load that names every missing,
+RWKV-LM or RWKV-X `.pth`, an HF directory), never by unpickling code; a strict load that names every missing,
 unexpected or mis-shaped tensor and refuses NaN/inf."""
 
 from __future__ import annotations
 
-import re
-import warnings
 from pathlib import Path
 
 import torch
 
-from rwkvx_cli.runs.store import CheckpointError, load_weights, read_safetensors, resolve_checkpoint
+from rwkvx_cli.runs.store import CheckpointError
 
 
 def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
@@ -49,36 +47,16 @@ def _first_five(names: list[str]) -> str:
     return ", ".join(names[:5]) + (f" (+{len(names) - 5} more)" if len(names) > 5 else "")
 
 
-def _load_failure(e: Exception) -> str:
-    """Why torch.load(weights_only=True) refused a file, without torch's advice to retry with
-    weights_only=False: that runs the file's code, which rwkvx never does for a file from elsewhere."""
-    text = str(e)
-    if "Weights only load failed" in text or "weights_only" in text:
-        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
-        what = f" (it would call {found.group(1)})" if found else ""
-        return f"it holds Python objects besides tensors{what}; rwkvx never unpickles code"
-    first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-    return first
-
-
 def load_weights_file(path: Path | str) -> dict[str, torch.Tensor]:
-    """Weights from elsewhere, never by unpickling code: a checkpoint or run directory, a
-    .safetensors file, or a .pth/.pt state dict (RWKV-LM's) through torch.load(weights_only=True)."""
+    """Weights from elsewhere, under rwkvx's names, never by unpickling code: a checkpoint or run
+    directory, an HF (fla) directory, a .safetensors file, or a .pth/.pt state dict (RWKV-LM's or
+    RWKV-X's, through torch.load(weights_only=True)); read tensor by tensor (runs/formats)."""
+    from rwkvx_cli.runs.formats import materialize, open_source
+
     path = Path(path)
-    if path.is_dir():
-        return load_weights(resolve_checkpoint(path)[0])
-    if not path.is_file():
+    if not path.exists():
         raise CheckpointError(f"weights file not found: {path}")
-    if path.suffix == ".safetensors":
-        return read_safetensors(path)
-    if path.suffix not in (".pth", ".pt"):
-        raise CheckpointError(f"{path}: expected a .safetensors or .pth file, or a checkpoint directory")
-    try:
-        with warnings.catch_warnings():  # a damaged file also warns (odd pickle protocol); the error says it all
-            warnings.simplefilter("ignore")
-            sd = torch.load(path, map_location="cpu", weights_only=True)
-    except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
-        raise CheckpointError(f"{path} is not a weights-only state dict: {_load_failure(e)}") from None
-    if not isinstance(sd, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()):
-        raise CheckpointError(f"{path} does not hold a flat state dict of named tensors")
-    return sd
+    if path.is_file() and path.suffix not in (".safetensors", ".pth", ".pt"):
+        raise CheckpointError(f"{path}: expected a .safetensors or .pth file, or a checkpoint or HF directory")
+    with open_source(path) as source:
+        return materialize(source)

@@ -18,7 +18,7 @@ import torch
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.runs.weights import check_finite, load_weights_file, mismatch
+from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import DistInfo
 
@@ -141,7 +141,12 @@ before anything is written and raises when the run directory is no longer this p
         try:
             rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
             skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
             distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
+            # The groups' settings (betas, eps, weight decay, lr_scale) are the config's, which the resume
+            # compared with the checkpoint's: a saved value that differs is damage or an allowed change.
+            for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+                group.update(own)
             torch.set_rng_state(rng)
         except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
             raise CheckpointError(f"{path} cannot be loaded: {e}") from None
@@ -187,9 +192,8 @@ before anything is written and raises when the run directory is no longer this p
             for rows in self.micro
         ]
 
-    def load_initial(self, source: str) -> None:
+    def load_initial(self, weights: dict[str, torch.Tensor], source: str) -> None:
         """Start from weights elsewhere (train.init_from); reports what differs from this model."""
-        weights = load_weights_file(source)
         problems = mismatch(self.model.state_dict(), weights)
         if problems:
             raise CheckpointError(f"{source} does not match the model: {problems}")
@@ -245,8 +249,11 @@ def resume_changes(saved: Config, cfg: Config, allowed: Collection[str] = ()) ->
 def tokens_trained(meta: dict) -> int:
     """Tokens a checkpoint's run had trained: recorded since resumes may change the batch; before
     that, its step times its config's tokens per step."""
-    if isinstance(meta.get("tokens"), int):
-        return meta["tokens"]
+    if "tokens" in meta:
+        tokens = meta["tokens"]
+        if isinstance(tokens, bool) or not isinstance(tokens, int) or not 0 <= tokens < 2**62:
+            raise CheckpointError(f"meta.json: 'tokens' is {tokens!r}, not a count of tokens trained")
+        return tokens
     t = meta["config"]["train"]
     return meta["step"] * t["ctx_len"] * t["micro_batch"] * t["grad_accum"]
 
@@ -293,3 +300,6 @@ def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[tor
                 raise bad(f"{key} of parameter {idx} has shape {tuple(val.shape)}, the parameter {tuple(shapes[idx])}")
             if not torch.isfinite(val).all():
                 raise bad(f"{key} of parameter {idx} holds non-finite values")
+            if key == "step" and not (val.numel() == 1 and 1 <= float(val) < 2**53 and float(val).is_integer()):
+                # Adam divides by 1 - beta**step: a step of 0, a fraction or a negative one blows up the update
+                raise bad(f"step of parameter {idx} is {val.tolist()}, not a count of steps")

@@ -174,9 +174,9 @@ class Trainer:
         self.metrics.truncate(self.step)  # also the steps logged before a crash that left no checkpoint
         return self.step
 
-    def load_initial(self, source: str) -> None:
-        """Start from weights elsewhere (train.init_from)."""
-        self.checkpoints.load_initial(source)
+    def load_initial(self, weights: dict, source: str) -> None:
+        """Start from weights elsewhere (train.init_from, read by runs/initial.py)."""
+        self.checkpoints.load_initial(weights, source)
 
     # -- the loop ---------------------------------------------------------------------------------
     def train_step(self) -> tuple[float, float, float, bool]:

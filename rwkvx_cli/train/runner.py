@@ -8,6 +8,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
     "prepared"  PrepareStats   rank 0 tokenized the corpus
     "resumed"   int            --resume: the step it continues from (0: no checkpoint yet)
     "changed"   dict           --resume --allow-change: {setting: (the checkpoint's value, this run's)}
+    "initial"   dict           train.init_from was loaded (start_report: its sizes, an upcycle's plan)
     "start"     TrainStart     the model is built and the loop is about to begin
     "step", "skipped", "checkpoint"   StepMetrics   from the loop (train/loop.py)
     "profile"   Path           the loop wrote the trace of train.profile_steps
@@ -34,11 +35,13 @@ from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.data import RunData, ensure_data, needs_preparing, prepare_command
+from rwkvx_cli.runs.formats.sizes import sizes_line
+from rwkvx_cli.runs.initial import Start, plan_start, plan_summary, sizes_from, start_weights
 from rwkvx_cli.runs.layout import checkpoints_dir, config_path, loss_plot_path, metrics_path, tokenizer_path
 from rwkvx_cli.runs.lock import LOCK_NAME, hold_run
 from rwkvx_cli.runs.memory import check_model, check_training
 from rwkvx_cli.runs.tokenizers import check_same_tokenizer
-from rwkvx_cli.runs.weights import load_into, load_weights_file
+from rwkvx_cli.runs.weights import load_into
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.checkpointer import resume_changes
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
@@ -84,16 +87,37 @@ def init_run(
     """Write a new run directory (config, tokenizer, prepared data, step-0 checkpoint) without
     training; returns the model summary. Refuses a directory that already holds checkpoints."""
     run_dir = Path(cfg.run_dir)
+    start = _start_from(cfg)
     check_model(cfg.model)
+    check_training(cfg, rt.resolve(cfg.train.device, cfg.train.precision))  # what `train` would refuse
     with claim_run(cfg):
         if store.step_dirs(checkpoints_dir(run_dir)):
             raise UsageError(f"{run_dir} already holds checkpoints; choose another run directory")
         data, model = open_run(cfg, run_dir, data_progress, on_prepared)
-        if cfg.train.init_from:
-            load_into(model, load_weights_file(cfg.train.init_from), cfg.train.init_from)
+        if start is not None:
+            load_into(model, start_weights(start, model), start.source)
         meta = {"config": config_to_dict(cfg)}
         store.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
-    return model_summary(model)
+    summary = model_summary(model)
+    if start is not None:
+        summary["initial"] = start_report(start)
+    return summary
+
+
+def _start_from(cfg: Config) -> Start | None:
+    """train.init_from's plan, its sizes written into `cfg.model` (None without init_from)."""
+    if not cfg.train.init_from:
+        return None
+    start = plan_start(cfg)
+    cfg.model = start.model
+    cfg.validate(cfg.written)
+    return start
+
+
+def start_report(start: Start) -> dict:
+    """What `rwkvx init` / `train` say about train.init_from: the sizes read and an upcycle's plan."""
+    plan = plan_summary(start.plan) if start.plan is not None else None
+    return {"source": start.source, "layout": start.sizes.layout, "sizes": sizes_line(start.sizes), "plan": plan}
 
 
 def open_run(
@@ -187,6 +211,11 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     saved = _saved_config(run_dir) if resume else None
+    start = None
+    if cfg.train.init_from and saved is not None:
+        cfg.model = sizes_from(saved.model, cfg)  # the sizes the weights gave when the run began
+    elif cfg.train.init_from:
+        start = _start_from(cfg)
     changes = resume_changes(saved, cfg, allow_change) if saved is not None else {}  # before any file is written
     if dist.world_size > 1 and needs_preparing(cfg, run_dir):
         # Every rank sees this before any of them waits: preparing here would leave the others
@@ -200,6 +229,7 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
     distributed.barrier()  # rank 0 has written the run files
     if not dist.is_main:
         data, model = ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed)
+    initial = start_weights(start, model) if start is not None else None  # before the model is wrapped
     trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard)
     if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
@@ -214,8 +244,9 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
         if changes and trainer.step > 0:
             trainer.metrics.note({"event": "resume", "step": trainer.step, "changed": changes})
             emit("changed", changes)
-    if trainer.step == 0 and cfg.train.init_from:
-        trainer.load_initial(cfg.train.init_from)
+    if trainer.step == 0 and initial is not None:
+        trainer.load_initial(initial, start.source)
+        emit("initial", start_report(start))
     emit("start", TrainStart(model_summary(model), trainer.device, trainer.last_step))
     with GracefulStop() as stop:
         last = trainer.run(on_event, should_stop=lambda: stop.requested)

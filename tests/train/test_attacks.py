@@ -265,3 +265,23 @@ def test_a_corpus_file_that_changed_since_it_was_prepared_is_refused(tmp_path, c
     text.write_text(corpus.read_text() + "one more line\n")
     line = one_line_error(invoke("train", *tiny_args(tmp_path / "b", text, f"data.prepared_dir={shared}")), 1)
     assert "but the config asks for text.txt" in line
+
+
+# -- 8. export never writes a broken model silently --------------------------------------------------
+def test_export_refuses_non_finite_weights_and_fp16_overflow(tmp_path):
+    from rwkvx_cli.config import Config, ModelConfig, config_to_dict
+    from rwkvx_cli.models import build_model
+
+    cfg = Config(model=ModelConfig(n_layer=1, n_embd=64, head_size=64))
+    weights = build_model(cfg.model, 0).state_dict()
+    weights["emb.weight"][0, :3] = float("nan")
+    weights["head.weight"][0, 0] = 1e6  # finite in fp32, inf in fp16
+    store.save_checkpoint(tmp_path / "run" / "checkpoints", 1, weights, None, {"config": config_to_dict(cfg)}, 3)
+    args = ["export", "--checkpoint", tmp_path / "run", "--format", "safetensors", "--out", tmp_path / "m.safetensors"]
+    line = one_line_error(invoke(*args), 1)
+    assert "3 non-finite values (in emb.weight)" in line and "--force" in line
+    line = one_line_error(invoke(*args, "--dtype", "fp16"), 1)
+    assert "1 values too large for float16 (in head.weight)" in line
+    assert not (tmp_path / "m.safetensors").exists()
+    result = invoke(*args, "--force")
+    assert result.exit_code == 0 and "exported anyway (--force): 3 non-finite values" in result.stderr

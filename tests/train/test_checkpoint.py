@@ -229,7 +229,8 @@ def test_init_from_loads_an_rwkv_lm_pth_and_reports_a_mismatch(tmp_path, corpus)
         app, ["init", *tiny_args(tmp_path / "deeper", corpus, "model.n_layer=3", f"train.init_from={pth}")]
     )
     assert result.exit_code == 1
-    assert "model.pth does not match the model: missing blocks.2." in result.stderr and "Traceback" not in result.output
+    line = "model.pth: the config says n_layer=3 (the weights: 2): blocks.2.ln1.weight missing"
+    assert line in result.stderr and "Traceback" not in result.output
 
 
 def test_non_finite_weights_are_refused(tmp_path):
@@ -237,4 +238,4 @@ def test_non_finite_weights_are_refused(tmp_path):
     weights["emb.weight"][0, 0] = float("nan")
     save_file(weights, tmp_path / "w.safetensors")
     with pytest.raises(CheckpointError, match="emb.weight holds non-finite values"):
-        make_trainer(tmp_path).load_initial(str(tmp_path / "w.safetensors"))
+        make_trainer(tmp_path).load_initial(load_weights_file(tmp_path / "w.safetensors"), "w.safetensors")

@@ -29,14 +29,15 @@ class RWKV7TimeMix(nn.Module):
 
     letter = "R"  # its letter in the model summary's block string
 
-    def __init__(self, C: int, head_size: int, layer_id: int):
+    def __init__(self, C: int, head_size: int, layer_id: int, ranks: tuple[int, int, int, int] = (0, 0, 0, 0)):
+        """`ranks`: the low-rank sizes of w, a, v and g (0: RWKV-LM's rule from C, `lora_rank`)."""
         super().__init__()
         self.layer_id, self.head_size, self.n_head = layer_id, head_size, C // head_size
         H, N = self.n_head, head_size
         for name in ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g", "w0", "a0", "v0", "k_k", "k_a"):
             setattr(self, name, nn.Parameter(torch.zeros(1, 1, C)))
-        for name, mult in (("w", 2.5), ("a", 2.5), ("v", 1.7), ("g", 5.0)):
-            D = lora_rank(mult, C)
+        for (name, mult), given in zip((("w", 2.5), ("a", 2.5), ("v", 1.7), ("g", 5.0)), ranks, strict=True):
+            D = given or lora_rank(mult, C)
             setattr(self, f"{name}1", nn.Parameter(torch.zeros(C, D)))
             setattr(self, f"{name}2", nn.Parameter(torch.zeros(D, C)))
         self.r_k = nn.Parameter(torch.zeros(H, N))
@@ -55,7 +56,7 @@ class RWKV7TimeMix(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_id: int) -> RWKV7TimeMix:
-        return cls(cfg.n_embd, cfg.head_size, layer_id)
+        return cls(cfg.n_embd, cfg.head_size, layer_id, (cfg.lora_w, cfg.lora_a, cfg.lora_v, cfg.lora_g))
 
     def op_dims(self) -> tuple[str, dict[str, int]]:
         """The recurrence op and its dims for one token (FLOP counts)."""

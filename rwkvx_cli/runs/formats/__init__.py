@@ -22,17 +22,14 @@ from rwkvx_cli.runs.formats.tensors import TensorSource, materialize, open_tenso
 from rwkvx_cli.runs.formats.upcycle import PlanRow, apply_plan, plan_table, upcycle_plan
 
 
-def open_any(path) -> tuple[TensorSource, Sizes]:
-    """Weights from any supported layout at `path`, lazily, under rwkvx's names, with their sizes:
-    an HF directory, an RWKV-X or RWKV-LM `.pth`, an rwkvx checkpoint or run directory, or a
-    `.safetensors` file of rwkvx names (what `rwkvx init --from` and `train.init_from` read)."""
+def _open(path, need_sizes: bool) -> tuple[TensorSource, Sizes | None]:
     from pathlib import Path
 
     path = Path(path)
     if path.is_dir() and (path / "config.json").is_file():
         return open_hf(path)
     base = open_tensors(path)
-    layout = detect_layout(base.names())
+    layout = "rwkvx" if "emb.weight" in base else detect_layout(base.names())
     if layout == "rwkv-x":
         base.close()
         return open_rwkv_x(path)
@@ -41,7 +38,18 @@ def open_any(path) -> tuple[TensorSource, Sizes]:
         from rwkvx_cli.runs.formats.tensors import MappedSource
 
         base = MappedSource(base, from_hf_rules(base.shapes()))
-    return base, infer_sizes(base.shapes())
+    return base, infer_sizes(base.shapes()) if need_sizes else None
+
+
+def open_source(path) -> TensorSource:
+    """Weights from any supported layout at `path`, lazily, under rwkvx's names: an HF directory, an
+    RWKV-X or RWKV-LM `.pth`, an rwkvx checkpoint or run directory, or a `.safetensors` file."""
+    return _open(path, need_sizes=False)[0]
+
+
+def open_any(path) -> tuple[TensorSource, Sizes]:
+    """`open_source`, and the sizes the tensors give (what `rwkvx init --from` and `train.init_from` read)."""
+    return _open(path, need_sizes=True)
 
 
 __all__ = [
@@ -66,6 +74,7 @@ __all__ = [
     "moba_topk_from_rwkv_x",
     "moba_topk_to_rwkv_x",
     "open_any",
+    "open_source",
     "open_hf",
     "open_rwkv_x",
     "open_tensors",

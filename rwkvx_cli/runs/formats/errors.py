@@ -1,9 +1,10 @@
 """The errors the format conversions raise: each is one line the CLI prints as it is."""
 
-from rwkvx_cli.errors import RwkvxError, UsageError
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.runs.store import CheckpointError
 
 
-class FormatError(RwkvxError):
+class FormatError(CheckpointError):
     """Weights that a format cannot hold, or a file that is not what its format says."""
 
 

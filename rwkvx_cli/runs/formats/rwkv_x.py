@@ -210,9 +210,9 @@ def export_rwkv_x(
     check_stack(sizes.kinds, sizes.head_size)
     mapped = MappedSource(source, to_rwkv_x_rules(source.shapes()), dtype=DTYPES[dtype])
     tensors = {n: mapped.get(n) for n in mapped.names()}
-    tmp, commit = atomic_file(Path(out), force)
+    tmp, f, commit = atomic_file(Path(out), force)
     try:
-        torch.save(tensors, tmp)
+        torch.save(tensors, f)
         commit()
     except BaseException:
         tmp.unlink(missing_ok=True)

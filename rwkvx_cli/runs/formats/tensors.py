@@ -22,6 +22,7 @@ from __future__ import annotations
 import json
 import mmap
 import os
+import re
 import struct
 import warnings
 from collections.abc import Callable, Iterable, Mapping
@@ -236,16 +237,24 @@ class PthSource(DictSource):
                         raise
                     sd = torch.load(path, map_location="cpu", weights_only=True)  # pre-zip format: loads whole
         except Exception as e:  # noqa: BLE001 - a foreign file fails in many ways (zip, pickle, EOF); all mean unreadable
-            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            if "weights_only" in str(e) or "Weights only load failed" in str(e):
-                first = "it holds Python objects besides tensors; rwkvx never unpickles code"
-            raise FormatError(f"{path} is not a weights-only state dict: {first}") from None
+            raise FormatError(f"{path} is not a weights-only state dict: {load_failure(e)}") from None
         if not isinstance(sd, dict) or not all(
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
         ):
             raise FormatError(f"{path} does not hold a flat state dict of named tensors")
         super().__init__(sd)
         self.path = path
+
+
+def load_failure(e: Exception) -> str:
+    """Why torch.load(weights_only=True) refused a file, without torch's advice to retry with
+    weights_only=False: that runs the file's code, which rwkvx never does for a file from elsewhere."""
+    text = str(e)
+    if "Weights only load failed" in text or "weights_only" in text:
+        found = re.search(r"Unsupported global: GLOBAL (\S+)", text)
+        what = f" (it would call {found.group(1)})" if found else ""
+        return f"it holds Python objects besides tensors{what}; rwkvx never unpickles code"
+    return text.strip().splitlines()[0] if text.strip() else type(e).__name__
 
 
 def _numel(shape: Shape) -> int:

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.fsio import fsync_dir, fsync_path
+from rwkvx_cli.fsio import check_output, check_place, create_temp, fsync_dir, fsync_path
 from rwkvx_cli.runs.formats.errors import FormatError, OutputExistsError
 from rwkvx_cli.runs.formats.tensors import HF_INDEX, ST_NAMES, TensorSource
 
@@ -115,6 +115,7 @@ def check_out_dir(out: Path, force: bool, marker: str = "config.json") -> None:
     directory an export wrote). Never a file, nor a directory of something else."""
     if str(out).strip() == "":
         raise OutputExistsError("the output path is empty")
+    check_place(out, "--out")
     if out.exists() and not out.is_dir():
         raise OutputExistsError(f"--out {out} is a file; give a directory")
     if out.is_dir() and any(out.iterdir()):
@@ -154,18 +155,16 @@ def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
 
 
 def atomic_file(out: Path, force: bool = False):
-    """(temporary path, commit) for a single output file: write to the path, then call commit()."""
-    out = Path(os.path.abspath(out))
-    if out.is_dir():
-        raise OutputExistsError(f"--out {out} is a directory; give a file name")
-    if out.exists() and not force:
-        raise OutputExistsError(f"--out {out} already exists; pass --force to replace it")
+    """(temporary file, commit) for a single output file (checked as every output: fsio.check_output):
+    write into the file object, then call commit(), which renames it into place."""
+    out = check_output(Path(os.path.abspath(out)), force, "--out")
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
+    tmp, f = create_temp(out)  # made with O_EXCL: a link planted at the temporary name is not followed
 
     def commit():
+        f.close()
         fsync_path(tmp)
         os.replace(tmp, out)
         fsync_dir(out.parent)
 
-    return tmp, commit
+    return tmp, f, commit

@@ -9,6 +9,7 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models.model import LM
 from rwkvx_cli.runs.formats import (
     FormatError,
@@ -230,7 +231,7 @@ def test_output_directory_is_whole_or_absent(rwkv7_cfg, tmp_path, monkeypatch):
         export_hf(sd, other, force=True)
     assert (other / "todo.txt").read_text() == "mine"
     export_rwkv_x(sd, tmp_path / "x.pth")
-    with pytest.raises(OutputExistsError, match="already exists"):
+    with pytest.raises(UsageError, match="already exists"):  # the guard of every output file (fsio)
         export_rwkv_x(sd, tmp_path / "x.pth")
 
 

@@ -79,3 +79,31 @@ def test_fla_save_pretrained_reads_back_to_our_weights(rwkv7_cfg, tmp_path, firs
             assert torch.equal(back[name], t), name
     saved = json.loads((tmp_path / "theirs" / "config.json").read_text())
     assert saved["decay_low_rank_dim"] == sizes.lora.w and saved["v_low_rank_dim"] == sizes.lora.v
+
+
+def test_rwkvx_export_hf_of_a_checkpoint_runs_in_fla(rwkv7_cfg, tmp_path, first_config_autotune):
+    """The command (`rwkvx export --format hf`), not only the mapping: fla runs what it wrote, and the
+    run's byte tokenizer comes along as files transformers reads."""
+    from typer.testing import CliRunner
+
+    from rwkvx_cli.cli import app
+    from rwkvx_cli.config import Config, config_to_dict
+    from rwkvx_cli.data import ByteTokenizer
+    from rwkvx_cli.runs.store import save_checkpoint
+
+    model = perturbed_model(rwkv7_cfg)
+    run = tmp_path / "run"
+    save_checkpoint(run / "checkpoints", 3, model, None, {"config": config_to_dict(Config(model=rwkv7_cfg))}, 3)
+    ByteTokenizer().save(run / "tokenizer.json")
+    (run / "data").mkdir()
+    ByteTokenizer().save(run / "data" / "tokenizer.json")
+    out = tmp_path / "hf"
+    result = CliRunner().invoke(app, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)])
+    assert result.exit_code == 0, result.output
+    assert (out / "config.json").is_file() and (out / "tokenizer.json").is_file()
+    fla_model = AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).eval()
+    tokens = torch.tensor([[5, 17, 3, 96, 0, 42, 7, 7]])
+    with torch.no_grad():
+        assert rel_err(fla_model(tokens).logits, model(tokens)[0]) <= 1e-5
+    again = CliRunner().invoke(app, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)])
+    assert again.exit_code == 2 and "pass --force" in again.stderr

@@ -1,0 +1,100 @@
+"""`train.init_from` (and `rwkvx init --from`): the weights a run starts from, and the model they make.
+
+The sizes come from the tensors (runs/formats/sizes.py: n_layer, n_embd, head_size, vocab_size and
+RWKV-7's four low-rank sizes), in any layout rwkvx reads (an rwkvx checkpoint or run, RWKV-LM's
+or RWKV-X's `.pth`, an HF (fla) directory, a `.safetensors` file): the config need not repeat them,
+and a size it does write must agree, or each tensor it contradicts is named. A config that asks
+for MoBA blocks the weights do not have is an upcycle, as RWKV-X's `init_moba_from_rwkv`: the
+RWKV-7 blocks load in order and each MoBA block starts from the RWKV-7 block below it
+(runs/formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from rwkvx_cli.config import Config, ModelConfig
+from rwkvx_cli.models import LM, layer_kinds
+from rwkvx_cli.runs.formats import (
+    PlanRow,
+    Sizes,
+    apply_plan,
+    config_from_sizes,
+    materialize,
+    open_any,
+    open_source,
+    upcycle_plan,
+)
+from rwkvx_cli.runs.formats.errors import FormatError
+from rwkvx_cli.runs.formats.sizes import LORA_FIELDS, SIZE_KEYS
+
+
+@dataclass
+class Start:
+    source: str  # train.init_from
+    model: ModelConfig  # the run's model section, with the sizes the weights give
+    sizes: Sizes  # what the tensors say
+    plan: list[PlanRow] | None  # an upcycle's rows; None: the weights load as they are
+
+
+def plan_start(cfg: Config) -> Start:
+    """The model `cfg.train.init_from`'s weights make with `cfg`'s settings (reads names and shapes only)."""
+    source, sizes = open_any(cfg.train.init_from)
+    source.close()
+    written = {k.split(".", 1)[1] for k in cfg.written if k.startswith("model.")}
+    kinds = layer_kinds(cfg.model)
+    upcycle = "moba" in kinds and sizes.n_attn == 0  # MoBA blocks only the config asks for
+    given = dataclasses.replace(sizes, kinds=kinds) if upcycle else sizes  # the stack is the config's
+    try:
+        model = config_from_sizes(given, cfg.model, written)
+    except FormatError as e:
+        raise type(e)(f"train.init_from {cfg.train.init_from}: {e}") from None
+    plan = None
+    if upcycle:
+        with torch.device("meta"):
+            target = LM(model).state_dict()
+        src, _ = open_any(cfg.train.init_from)
+        with src:
+            plan = upcycle_plan(src.shapes(), target)
+    return Start(cfg.train.init_from, model, sizes, plan)
+
+
+def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """The state dict `model` (built from `start.model`) starts with: the weights as they are, or an
+    upcycle's loaded, copied and fresh tensors (the fresh ones `model`'s own init)."""
+    with open_source(start.source) as source:
+        if start.plan is None:
+            return materialize(source)
+        needed = {r.source for r in start.plan if r.target is not None and r.source is not None}
+        tensors = {}
+        for name in needed:
+            tensors[name] = source.get(name).clone()
+            source.release(name)
+    return apply_plan(start.plan, tensors, model.state_dict())
+
+
+def sizes_from(saved: ModelConfig, cfg: Config) -> ModelConfig:
+    """The model of a run resumed after it started from train.init_from: the sizes its checkpoints
+    have (the weights gave them), where the config does not write its own."""
+    keys = (*SIZE_KEYS, *LORA_FIELDS)
+    kept = {k: getattr(saved, k) for k in keys if f"model.{k}" not in cfg.written and hasattr(saved, k)}
+    return dataclasses.replace(cfg.model, **kept)
+
+
+def plan_summary(plan: list[PlanRow]) -> list[tuple[str, str, str, int]]:
+    """An upcycle's plan as (target, action, source, tensors) rows, one per block and action."""
+    rows: dict[tuple[str, str, str], int] = {}
+    for r in plan:
+        key = (_block(r.target) if r.target else "-", r.action, _block(r.source) if r.source else "-")
+        rows[key] = rows.get(key, 0) + 1
+    return [(t, a, s, n) for (t, a, s), n in rows.items()]
+
+
+def _block(name: str) -> str:
+    parts = name.split(".")
+    return ".".join(parts[:2]) if parts[0] == "blocks" else "embedding, ln_out, head"
+
+

@@ -1,0 +1,109 @@
+"""train.init_from and `rwkvx init --from`: the model's sizes come from the weights (any layout), a
+size the config writes must agree, an RWKV-7 upcycles into a hybrid, and a resume keeps the sizes."""
+
+import pytest
+import torch
+from typer.testing import CliRunner
+
+from rwkvx_cli.cli import app
+from rwkvx_cli.config import load_config
+from rwkvx_cli.runs import store
+from rwkvx_cli.runs.opening import find_checkpoint
+from tests.train.helpers import tiny_args
+
+runner = CliRunner()
+SHORT = ("train.tokens=256", "train.ckpt_interval=2", "train.eval_interval=2", "train.eval_tokens=64")
+
+
+def invoke(*args):
+    return runner.invoke(app, [*map(str, args)])
+
+
+@pytest.fixture(scope="module")
+def source(tmp_path_factory, corpus):
+    """A trained RWKV-7 (2 x 64, head 64, with the 0.4B family's kind of LoRA ranks: not the rule)
+    and its exports as RWKV-LM .pth and an HF directory."""
+    root = tmp_path_factory.mktemp("source")
+    ranks = ("model.head_size=64", "model.lora_w=32", "model.lora_a=64", "model.lora_v=32", "model.lora_g=96")
+    assert invoke("train", *tiny_args(root / "run", corpus, *SHORT, *ranks)).exit_code == 0
+    for fmt, out in (("rwkv-lm", root / "model.pth"), ("hf", root / "hf")):
+        result = invoke("export", "--checkpoint", root / "run", "--format", fmt, "--out", out)
+        assert result.exit_code == 0, result.output
+    return root
+
+
+def weights_of(run):
+    return store.load_weights(store.list_checkpoints(run / "checkpoints")[-1])
+
+
+@pytest.mark.parametrize("layout", ["run", "model.pth", "hf"])
+def test_init_from_reads_the_sizes_of_any_layout(source, tmp_path, corpus, layout):
+    run = tmp_path / "new"
+    # The config says nothing about the model: the defaults (4 x 128, head 64, rule ranks) give way.
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", "train.ctx_len=32", "train.micro_batch=4"]
+    result = invoke("init", *args, "--from", source / layout)
+    assert result.exit_code == 0, result.output
+    cfg = find_checkpoint(run).config.model
+    assert (cfg.n_layer, cfg.n_embd, cfg.head_size, cfg.vocab_size) == (2, 64, 64, 257)
+    assert (cfg.lora_w, cfg.lora_a, cfg.lora_v, cfg.lora_g) == (32, 64, 32, 96)
+    assert "weights from" in result.stdout
+    ours, theirs = weights_of(run), weights_of(source / "run")
+    for name, t in theirs.items():
+        if layout == "hf" and name in ("blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2"):
+            continue  # fla's layer 0 has no value residual: unused, they come back as zeros
+        assert torch.equal(ours[name], t), name
+
+
+def test_a_written_size_that_disagrees_names_the_tensors(source, tmp_path, corpus):
+    result = invoke("init", *tiny_args(tmp_path / "new", corpus, "model.n_embd=128"), "--from", source / "model.pth")
+    assert result.exit_code == 1 and "Traceback" not in result.output
+    line = result.stderr.strip()
+    assert "\n" not in line and "the config says n_embd=128 (the weights: 64)" in line and "emb.weight" in line
+    assert not (tmp_path / "new").exists()
+
+
+def test_an_rwkv7_upcycles_into_a_hybrid(source, tmp_path, corpus):
+    run = tmp_path / "hybrid"
+    args = tiny_args(run, corpus, "model.n_attn=1", "model.head_size=64")
+    result = invoke("init", *args, "--from", source / "model.pth")
+    assert result.exit_code == 0, result.output
+    assert "upcycle" in result.stdout and "copy" in result.stdout and "fresh" in result.stdout
+    assert find_checkpoint(run).config.model.n_attn == 1
+    ours, theirs = weights_of(run), weights_of(source / "run")
+    for name in ("emb.weight", "head.weight", "blocks.1.att.w1", "blocks.1.ffn.key.weight"):
+        assert torch.equal(ours[name], theirs[name]), name
+    # The MoBA block (position 2) starts from the RWKV-7 block below it, as RWKV-X's init_moba_from_rwkv.
+    for part in ("att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight"):
+        assert torch.equal(ours[f"blocks.2.{part}"], theirs[f"blocks.1.{part}"]), part
+    assert torch.equal(ours["blocks.2.ln1.weight"], torch.ones(64))  # fresh
+
+
+def test_a_run_started_from_weights_resumes_with_their_sizes(source, tmp_path, corpus):
+    run = tmp_path / "continued"
+    args = tiny_args(run, corpus, *SHORT, f"train.init_from={source / 'model.pth'}")
+    for a in [a for a in args if a.startswith(("model.n_layer", "model.n_embd", "model.head_size"))]:
+        args.remove(a)
+    assert invoke("train", *args).exit_code == 0
+    before = weights_of(run)
+    result = invoke("train", *[a.replace("train.tokens=256", "train.tokens=384") for a in args], "--resume")
+    assert result.exit_code == 0, result.output
+    assert "resumed from step 2" in result.output
+    assert weights_of(run).keys() == before.keys()
+    assert load_config(run / "config.yaml").model.n_embd == 64
+
+
+def test_the_continue_config_takes_its_sizes_from_a_released_style_pth(tmp_path, corpus):
+    """configs/continue.yaml has no model section: a World-vocabulary RWKV-7 .pth (RWKV-LM's names,
+    shaped as a tiny member of the released family) gives every size."""
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.models import build_model
+
+    pth = tmp_path / "RWKV-x070-World-tiny.pth"
+    torch.save(build_model(ModelConfig(vocab_size=65536, n_layer=1, n_embd=64, head_size=64), 1).state_dict(), pth)
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", f"data.prepared_dir={tmp_path / 'data'}"]
+    args += ["train.ctx_len=32", "train.micro_batch=2", "train.warmup_tokens=0"]
+    result = invoke("init", "-c", "configs/continue.yaml", *args, "--from", pth)
+    assert result.exit_code == 0, result.output
+    cfg = find_checkpoint(run).config
+    assert (cfg.model.vocab_size, cfg.model.n_layer, cfg.model.n_embd, cfg.data.tokenizer) == (65536, 1, 64, "world")
