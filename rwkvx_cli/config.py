@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import math
+import os
 import types
 import typing
 from collections.abc import Collection
@@ -48,6 +49,9 @@ def _unique_mapping(loader, node, deep=False):
 
 _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _unique_mapping)
 
+
+# More blocks than any model trains: a larger count is a typo, not a model to build.
+MAX_LAYERS = 10_000
 
 # Block kinds a layer pattern may use: the time mix of each (the channel mix is RWKV's).
 LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
@@ -91,8 +95,10 @@ def expand_layers(spec: list[str]) -> list[str]:
             name = name.strip()
             if name not in LAYER_KINDS:
                 raise ConfigError(f"model.layers: unknown layer kind {name!r}{_nearest(name, list(LAYER_KINDS))}")
-            if count and not (count.strip().isdigit() and int(count) >= 1):
-                raise ConfigError(f"model.layers: {token.strip()!r}: the repeat count must be a positive integer")
+            if count and not (count.strip().isdigit() and 1 <= int(count) <= MAX_LAYERS):
+                raise ConfigError(
+                    f"model.layers: {token.strip()!r}: the repeat count must be an integer from 1 to {MAX_LAYERS:,}"
+                )
             kinds += [name] * (int(count) if count else 1)
     return kinds
 
@@ -418,8 +424,24 @@ def _written_keys(data: dict) -> set[str]:
     return {f"{section}.{key}" for section, body in data.items() if isinstance(body, dict) for key in body}
 
 
+def _expand_home(cfg: Config) -> None:
+    """`~` in the config's paths means the home directory, as in a shell (not a directory named ~)."""
+    d = cfg.data
+
+    def home(p: str) -> str:
+        return os.path.expanduser(p) if p.startswith("~") else p
+
+    cfg.run_dir, d.prepared_dir = home(cfg.run_dir), home(d.prepared_dir)
+    d.binidx, d.val_binidx = home(d.binidx), home(d.val_binidx)
+    d.corpus, d.tokenizer = [home(p) for p in d.corpus], home(d.tokenizer)
+    cfg.train.init_from = home(cfg.train.init_from)
+    for src in d.mix or []:
+        src.path = home(src.path)
+
+
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data)
+    _expand_home(cfg)
     cfg.written = frozenset(_written_keys(data))
     cfg.validate(cfg.written)
     return cfg

@@ -166,6 +166,8 @@ def check_writable_dir(path: str | os.PathLike, marker: str, ours=None, what: st
         raise NotOurDirectory(f"the {what} path is empty")
     path = Path(path)
     resolved = Path(os.path.abspath(path))
+    if path.is_symlink() and not path.exists():
+        raise NotOurDirectory(f"{what} {path} is a symbolic link to {os.readlink(path)}, which does not exist")
     if resolved == Path(resolved.anchor):
         raise NotOurDirectory(f"{what} {path}: refusing to write into the filesystem root")
     for parent in [resolved, *resolved.parents]:

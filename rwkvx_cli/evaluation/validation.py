@@ -89,6 +89,7 @@ def eval_checkpoint(
     ev["step"] = opened.step
     ev["checkpoint"] = str(opened.checkpoint.path)
     if prompt is not None:
-        ids = generate(opened.model, opened.tokenizer.encode(prompt), n_tokens, temperature, top_p, seed)
+        tok = opened.tokenizer
+        ids = generate(opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size)
         ev["sample"] = prompt + opened.tokenizer.decode(ids)
     return ev

@@ -156,6 +156,10 @@ def explain_tokens(
     model's top prediction)."""
     if epsilon < 0:
         raise UsageError(f"epsilon must be >= 0, got {epsilon}")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:  # bytes that are not UTF-8 reach Python as lone surrogates
+        raise UsageError("--text is not valid UTF-8 text") from None
     ids = tokenizer.encode(text)
     if not ids:
         raise UsageError("nothing to explain: the text is empty")

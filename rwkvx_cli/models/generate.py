@@ -21,20 +21,28 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 
 
 @torch.no_grad()
-def generate(model: LM, prompt: list[int], n_tokens: int, temperature=1.0, top_p=0.9, seed=0) -> list[int]:
+def generate(
+    model: LM, prompt: list[int], n_tokens: int, temperature=1.0, top_p=0.9, seed=0, vocab_size: int | None = None
+) -> list[int]:
+    """`n_tokens` ids sampled after `prompt`; only ids below `vocab_size` (the tokenizer's, where the
+    model's vocabulary is larger: its extra rows are never decodable)."""
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
+
+    def pick(logits: torch.Tensor) -> int:
+        return sample_next(logits[:vocab_size].cpu(), temperature, top_p, gen)
+
     ids = list(prompt) or [0]
     out: list[int] = []
     if model.recurrent:
         logits, state = model(torch.tensor([ids], device=device))
         for _ in range(n_tokens):
-            nxt = sample_next(logits[0, -1].cpu(), temperature, top_p, gen)
+            nxt = pick(logits[0, -1])
             out.append(nxt)
             logits, state = model(torch.tensor([[nxt]], device=device), state)
     else:
         for _ in range(n_tokens):
             logits, _ = model(torch.tensor([ids + out], device=device))
-            out.append(sample_next(logits[0, -1].cpu(), temperature, top_p, gen))
+            out.append(pick(logits[0, -1]))
     return out

@@ -13,14 +13,19 @@ from __future__ import annotations
 
 import importlib
 import math
+import netrc
+import os
+import urllib.parse
 from pathlib import Path
 from typing import Protocol
 
 from rwkvx_cli.config import LOGGERS, Config, ConfigError, config_to_dict
+from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
 
 # The package each optional sink imports, and the extra of rwkvx that installs it.
 EXTRAS = {"tensorboard": "tensorboard", "wandb": "wandb"}
+WANDB_TIMEOUT = 30  # seconds wandb.init waits for its server (its default, 90, looks like a hang)
 
 # The scalars the tensorboard and wandb sinks log each step (StepMetrics fields), under train/ or val/.
 SCALARS = ("loss", "lr", "grad_norm", "tokens_per_s", "mfu_pct", "peak_mem_mb", "epoch")
@@ -40,6 +45,22 @@ def check_available(loggers: list[str]) -> None:
             raise ConfigError(
                 f"train.loggers: {name} is not installed; install it with: pip install 'rwkvx[{package}]'"
             ) from None
+    if "wandb" in loggers and not _wandb_can_log():
+        raise ConfigError(
+            "train.loggers: wandb has no API key here (WANDB_API_KEY, or `wandb login`); "
+            "set WANDB_MODE=offline to log locally and `wandb sync` later"
+        )
+
+
+def _wandb_can_log() -> bool:
+    """Whether wandb may start without asking for a key (it would prompt, or fail, mid-start-up)."""
+    if os.environ.get("WANDB_MODE", "").lower() in ("offline", "disabled", "dryrun") or os.environ.get("WANDB_API_KEY"):
+        return True
+    host = urllib.parse.urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname
+    try:
+        return netrc.netrc().authenticators(host or "api.wandb.ai") is not None
+    except (OSError, netrc.NetrcParseError):
+        return False
 
 
 class Sink(Protocol):
@@ -113,13 +134,20 @@ class WandbSink:
         import wandb
 
         t = self.cfg.train
-        self.run = wandb.init(
-            project=t.wandb_project,
-            name=t.wandb_name or self.run_dir.resolve().name,
-            dir=str(self.run_dir),
-            config=config_to_dict(self.cfg),
-            settings=wandb.Settings(console="off", x_disable_stats=True),
-        )
+        try:
+            self.run = wandb.init(
+                project=t.wandb_project,
+                name=t.wandb_name or self.run_dir.resolve().name,
+                dir=str(self.run_dir),
+                config=config_to_dict(self.cfg),
+                settings=wandb.Settings(console="off", x_disable_stats=True, init_timeout=WANDB_TIMEOUT),
+            )
+        except Exception as e:  # noqa: BLE001 - wandb's own errors (CommError, UsageError, ...) are not ours
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise RwkvxError(
+                f"wandb could not start its run ({type(e).__name__}: {first}); check the network or the key, "
+                "or set WANDB_MODE=offline"
+            ) from None
 
     def log(self, m: StepMetrics) -> None:
         self.run.log({**_scalars(m), "train/tokens": m.tokens}, step=m.step)

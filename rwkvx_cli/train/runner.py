@@ -262,5 +262,6 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
 
 
 def sample_text(model, tokenizer, seed: int) -> str:
-    ids = generate(model, tokenizer.encode(SAMPLE_PROMPT), SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed)
+    prompt = tokenizer.encode(SAMPLE_PROMPT)
+    ids = generate(model, prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed, tokenizer.vocab_size)
     return tokenizer.decode(ids)

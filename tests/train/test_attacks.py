@@ -285,3 +285,80 @@ def test_export_refuses_non_finite_weights_and_fp16_overflow(tmp_path):
     assert not (tmp_path / "m.safetensors").exists()
     result = invoke(*args, "--force")
     assert result.exit_code == 0 and "exported anyway (--force): 3 non-finite values" in result.stderr
+
+
+# -- 9. a model vocabulary larger than the tokenizer's --------------------------------------------
+def test_a_model_vocabulary_above_the_tokenizers_samples_only_its_ids(tmp_path, corpus):
+    """The README allows model.vocab_size above the tokenizer's (padding to a round number): the rows
+    beyond it are never sampled, so the closing sample and `eval --generate` decode."""
+    run = tmp_path / "run"
+    result = invoke("train", *tiny_args(run, corpus, *SHORT, "model.vocab_size=4096"))
+    assert result.exit_code == 0, result.output
+    result = invoke("eval", "--checkpoint", run, "--generate", "ab", "--tokens", "50", "--temperature", "5")
+    assert result.exit_code == 0, result.output
+
+
+def test_sampling_never_picks_an_id_beyond_the_limit():
+    import torch
+
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.models.generate import generate
+
+    model = build_model(ModelConfig(vocab_size=512, n_layer=1, n_embd=64, head_size=64), 0)
+    with torch.no_grad():
+        model.head.weight[300:] += 50.0  # the extra rows would win every draw
+    assert max(generate(model, [1, 2], 40, temperature=1.0, top_p=1.0, vocab_size=257)) < 257
+    assert max(generate(model, [1, 2], 40, temperature=1.0, top_p=1.0)) >= 300  # the test can fail
+
+
+# -- 10-12. no traceback, the right exit code, nothing written by a refusal ------------------------
+def test_no_traceback_for_odd_input(trained, tmp_path, corpus, monkeypatch):
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc with a key
+    line = one_line_error(invoke("train", *tiny_args(tmp_path / "w", corpus, "train.loggers=[wandb]")), 2)
+    assert "wandb has no API key" in line and "WANDB_MODE=offline" in line
+    assert not (tmp_path / "w").exists()  # refused before the run directory was touched
+    huge = tiny_args(tmp_path / "x", corpus, "model.layers=rwkv7*99999999999999999999")
+    line = one_line_error(invoke("init", *huge), 2)
+    assert "the repeat count must be an integer from 1 to 10,000" in line
+    line = one_line_error(invoke("explain", "--checkpoint", trained, "--text", "a\udcffb"), 2)
+    assert "--text is not valid UTF-8" in line
+
+
+def test_a_forged_vocabulary_in_meta_json_is_refused_before_allocating(trained, tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    ckpt = store.list_checkpoints(run / "checkpoints")[-1]
+    meta = json.loads((ckpt / "meta.json").read_text())
+    meta["config"]["model"]["vocab_size"] = 10**12
+    meta.pop("meta_sha256")
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    for command in (["eval"], ["explain", "--text", "hi"]):
+        line = one_line_error(invoke(*command, "--checkpoint", ckpt), 1)
+        assert "needs at least" in line and "GiB" in line
+
+
+def test_a_dangling_link_as_run_dir_and_a_home_relative_path(tmp_path, corpus, monkeypatch):
+    (tmp_path / "gone").symlink_to(tmp_path / "nowhere")
+    line = one_line_error(invoke("init", *tiny_args(tmp_path / "gone", corpus)), 2)
+    assert "is a symbolic link to" in line and "which does not exist" in line
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    assert invoke("init", *tiny_args("~/runs/x", corpus)).exit_code == 0
+    assert (tmp_path / "runs" / "x" / "config.yaml").is_file() and not (tmp_path / "~").exists()
+
+
+def test_a_mixture_on_the_command_line_replaces_the_files_corpus(tmp_path, trained):
+    from rwkvx_cli.config import load_config
+
+    config = tmp_path / "c.yaml"
+    config.write_text("data:\n  corpus: [some/text.txt]\n")
+    cfg = load_config(config, [f"data.mix=[{{path: {trained / 'data'}, weight: 1}}]"])
+    assert cfg.data.mix[0].path == str(trained / "data") and cfg.data.corpus == ["data/tinyshakespeare.txt"]
+
+
+def test_init_refuses_what_train_would(tmp_path, corpus):
+    line = one_line_error(invoke("init", *tiny_args(tmp_path / "big", corpus, "train.micro_batch=1e8")), 1)
+    assert "needs at least" in line and not (tmp_path / "big").exists()
