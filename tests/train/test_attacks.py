@@ -362,3 +362,14 @@ def test_a_mixture_on_the_command_line_replaces_the_files_corpus(tmp_path, train
 def test_init_refuses_what_train_would(tmp_path, corpus):
     line = one_line_error(invoke("init", *tiny_args(tmp_path / "big", corpus, "train.micro_batch=1e8")), 1)
     assert "needs at least" in line and not (tmp_path / "big").exists()
+
+
+def test_an_os_error_is_one_plain_line(trained, tmp_path, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device", str(tmp_path / "m.pth"))
+
+    monkeypatch.setattr("rwkvx_cli.runs.export.export_checkpoint", full)
+    line = one_line_error(invoke("export", "--checkpoint", trained, "--out", tmp_path / "m.pth"), 1)
+    assert line == f"error: {tmp_path / 'm.pth'}: No space left on device"  # no markup shown literally
