@@ -13,9 +13,8 @@ The LoRA ranks: rwkvx derives them from n_embd (`lora_rank` in models/layers/rwk
 train_temp's rule max(32, round(m sqrt(C) / 32) * 32), m = 2.5, 2.5, 1.7, 5). The released RWKV-7
 World models follow it only at 0.1B: 0.4B (C 1024) has w, a, v, g = 64, 64, 32, 128 where the rule
 gives 64, 64, 64, 160; 1.5B (C 2048) 96, 96, 64, 256 (rule 128, 128, 64, 224); 2.9B (C 2560)
-96, 96, 64, 320 (rule 128, 128, 96, 256). So the ranks travel in `LoraRanks`, and ModelConfig needs
-four fields for them (proposed: `lora_w`, `lora_a`, `lora_v`, `lora_g`, 0 = the rule);
-`config_from_sizes` fills them when ModelConfig has them and refuses in one line when it does not.
+96, 96, 64, 320 (rule 128, 128, 96, 256). So the ranks travel in `LoraRanks`, and into ModelConfig's
+`lora_w`, `lora_a`, `lora_v`, `lora_g` (0 = the rule), which `config_from_sizes` fills.
 """
 
 from __future__ import annotations
@@ -32,7 +31,7 @@ from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
 from rwkvx_cli.runs.formats.tensors import Shape
 
 LAYOUTS = ("rwkv-lm", "rwkvx", "hf", "rwkv-x")
-LORA_FIELDS = ("lora_w", "lora_a", "lora_v", "lora_g")  # the proposed ModelConfig fields (0 = the rule)
+LORA_FIELDS = ("lora_w", "lora_a", "lora_v", "lora_g")  # ModelConfig's fields (0 = the rule)
 SIZE_KEYS = ("vocab_size", "n_embd", "head_size", "n_layer", "n_attn", "layers")
 MOBA_ATT = {f"att.{p}.weight" for p in ("receptance", "key", "value", "output")}
 
@@ -96,7 +95,7 @@ class Sizes:
 
     def model_overrides(self) -> dict[str, object]:
         """The ModelConfig values these sizes set, by field name; the LoRA ranks only where they differ
-        from the rule (in the proposed lora_* fields)."""
+        from the rule (ModelConfig's lora_* fields)."""
         out: dict[str, object] = {
             "vocab_size": self.vocab_size,
             "n_embd": self.n_embd,
@@ -296,12 +295,6 @@ def config_from_sizes(sizes: Sizes, cfg: ModelConfig | None = None, written: Col
         except FormatError as e:
             detail = str(e)
         raise SizeMismatchError(f"the config says {said}: {detail}")
-    lora = {k: v for k, v in got.items() if k in LORA_FIELDS}
-    if lora and not all(hasattr(cfg, k) for k in LORA_FIELDS):
-        raise FormatError(
-            f"these weights have LoRA ranks {sizes.lora}, not rwkvx's rule for n_embd {sizes.n_embd} "
-            f"({LoraRanks.rule(sizes.n_embd)}), and ModelConfig has no lora_w/lora_a/lora_v/lora_g fields to hold them"
-        )
     return dataclasses.replace(cfg, **got)
 
 

@@ -2,7 +2,6 @@
 family (meta tensors: no memory), in every layout."""
 
 import dataclasses
-from dataclasses import dataclass
 
 import pytest
 import torch
@@ -109,23 +108,15 @@ def test_which_released_ranks_follow_rwkvx_rule():
     assert LoraRanks.rule(1024) == LoraRanks(64, 64, 64, 160)  # the rule; the 0.4B model has 64, 64, 32, 128
 
 
-def test_ranks_off_the_rule_need_config_fields():
+def test_ranks_off_the_rule_go_into_the_config():
     s = infer_sizes(rwkv_lm_shapes(24, 1024, (64, 64, 32, 128)))
     assert s.notes and "differ from rwkvx's rule" in s.notes[0]
-    with pytest.raises(FormatError, match="no lora_w/lora_a/lora_v/lora_g fields") as e:
-        config_from_sizes(s, ModelConfig())
-    assert "\n" not in str(e.value)
-
-    @dataclass
-    class WithRanks(ModelConfig):  # the proposed fields, 0 = rwkvx's rule
-        lora_w: int = 0
-        lora_a: int = 0
-        lora_v: int = 0
-        lora_g: int = 0
-
-    cfg = config_from_sizes(s, WithRanks())
-    assert (cfg.n_layer, cfg.n_embd, cfg.lora_v, cfg.lora_g) == (24, 1024, 32, 128)
+    cfg = config_from_sizes(s, ModelConfig())
+    assert (cfg.n_layer, cfg.n_embd, cfg.lora_w, cfg.lora_a, cfg.lora_v, cfg.lora_g) == (24, 1024, 64, 64, 32, 128)
     assert LoraRanks.of_config(cfg) == s.lora
+    with torch.device("meta"):  # the model these sizes build has the released checkpoint's shapes
+        built = {k: tuple(v.shape) for k, v in LM(cfg).state_dict().items()}
+    assert built == rwkv_lm_shapes(24, 1024, (64, 64, 32, 128))
 
 
 @pytest.mark.parametrize(
