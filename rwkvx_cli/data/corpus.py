@@ -241,17 +241,22 @@ def _jsonl_pieces(
         yield from _jsonl_record(path, lineno + 1, last, field, skipped)
 
 
+def record_field(line: bytes, field: str):
+    """The value of `field` in one JSONL record; ValueError saying what is wrong with the line."""
+    try:
+        obj = json.loads(line)
+    except ValueError as e:
+        raise ValueError(f"not valid JSON ({e})") from None
+    if not isinstance(obj, dict):
+        raise ValueError(f'expected a JSON object with a string "{field}" field')
+    return obj.get(field)
+
+
 def _jsonl_record(path: Path, lineno: int, line: bytes, field: str, skipped: Skipped | None) -> Iterator[Piece]:
     if not line.strip():
         return
     try:
-        try:
-            obj = json.loads(line)
-        except ValueError as e:
-            raise ValueError(f"not valid JSON ({e})") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f'expected a JSON object with a string "{field}" field')
-        text = document_text(obj.get(field), field)
+        text = document_text(record_field(line, field), field)
     except ValueError as e:
         message = f"{path}:{lineno}: {e}"
         if skipped is None:

@@ -14,7 +14,6 @@ The reader side (`unit_tasks`) runs in the main process; a failure it meets (a t
 from __future__ import annotations
 
 import codecs
-import json
 import os
 import struct
 from collections.abc import Iterator
@@ -253,13 +252,7 @@ class Encoder:
             if not line or line.isspace():
                 continue
             try:
-                try:
-                    obj = json.loads(line)
-                except ValueError as e:
-                    raise ValueError(f"not valid JSON ({e})") from None
-                if not isinstance(obj, dict):
-                    raise ValueError(f'expected a JSON object with a string "{field_name}" field')
-                text = obj.get(field_name)
+                text = corpus.record_field(line, field_name)
                 nbytes = corpus.document_bytes(text, field_name)
             except ValueError as e:
                 if self._record(out, i, str(e)):

@@ -86,3 +86,12 @@ def one_thread():
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def one_line_error(result, code: int) -> str:
+    """The one `error: ...` line of a refused CliRunner call, after checking its exit code."""
+    assert result.exit_code == code, result.output
+    assert "Traceback" not in result.output, result.output
+    lines = [ln for ln in result.output.splitlines() if ln.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
+    return lines[0]

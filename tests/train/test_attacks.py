@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
 from rwkvx_cli.runs import store
-from tests.train.helpers import REPO, cli_command, env, run_cli, tiny_args
+from tests.train.helpers import REPO, cli_command, env, one_line_error, run_cli, tiny_args
 
 runner = CliRunner()
 SHORT = ("train.tokens=512", "train.ckpt_interval=2", "train.eval_interval=2", "train.eval_tokens=64")  # 4 steps
@@ -21,14 +21,6 @@ SHORT = ("train.tokens=512", "train.ckpt_interval=2", "train.eval_interval=2", "
 
 def invoke(*args):
     return runner.invoke(app, [*map(str, args)])
-
-
-def one_line_error(result, code: int) -> str:
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    return lines[0]
 
 
 @pytest.fixture(scope="module")

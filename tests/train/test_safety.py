@@ -24,7 +24,7 @@ from rwkvx_cli.models.generate import sample_next
 from rwkvx_cli.runs import store as ck
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import load_weights_file
-from tests.train.helpers import REPO, cli_command, env, run_cli, tiny_args
+from tests.train.helpers import REPO, cli_command, env, one_line_error, run_cli, tiny_args
 
 runner = CliRunner()
 SHORT = ("train.tokens=512", "train.ckpt_interval=2", "train.eval_interval=2", "train.eval_tokens=64")  # 4 steps
@@ -32,14 +32,6 @@ SHORT = ("train.tokens=512", "train.ckpt_interval=2", "train.eval_interval=2", "
 
 def invoke(*args):
     return runner.invoke(app, [*map(str, args)])
-
-
-def one_line_error(result, code: int):
-    assert result.exit_code == code, result.output
-    assert "Traceback" not in result.output, result.output
-    lines = [ln for ln in result.output.splitlines() if ln.strip()]
-    assert len(lines) == 1 and lines[0].startswith("error:"), result.output
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
