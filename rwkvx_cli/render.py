@@ -443,9 +443,10 @@ def render_bench(report, baseline: str) -> None:
 
 def render_model_bench(r: dict) -> None:
     sets = "".join(f" {o}" for o in r.get("overrides", ()))
+    chunked = f" · chunk_len {r['chunk_len']}" if r.get("chunk_len") else ""
     title = (
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
-        f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}"
+        f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
     gpt = r.get("gpt")
     table = Table(title=title, title_justify="left")

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.models.chunked import chunked_loss
 from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_
 from rwkvx_cli.models.losses import linear_cross_entropy
 
@@ -109,11 +110,23 @@ class LM(nn.Module):
     def empty_state(self, B: int, device) -> list:
         return [blk.empty_state(B, device) for blk in self.blocks]
 
-    def forward(self, idx: torch.Tensor, state: list | None = None, targets: torch.Tensor | None = None, l2wrap=False):
+    def forward(
+        self,
+        idx: torch.Tensor,
+        state: list | None = None,
+        targets: torch.Tensor | None = None,
+        l2wrap=False,
+        *,
+        head: str = "chunked",
+        chunk_len: int = 0,
+    ):
         """Logits [B, T, V] and the state after the last token (for TBPTT / generation); with
         `targets`, the mean cross-entropy instead of the logits, computed in chunks of rows so that
         the [B, T, V] fp32 logits never exist whole (models/losses.py), with RWKV-LM's L2Wrap
-        gradient when `l2wrap`."""
+        gradient when `l2wrap`. With `targets` and `chunk_len`: chunked full BPTT over chunks of
+        that many tokens (models/chunked.py), with the loss head `head` (train.head)."""
+        if targets is not None and chunk_len:
+            return chunked_loss(self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap)
         x, new_state = self.hidden(idx, state)
         if targets is None:
             return self.head(x), new_state

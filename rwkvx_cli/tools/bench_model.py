@@ -9,7 +9,7 @@ autograd functions, forward and backward, with the aten calls they make), of
 the other matmul calls, and of everything else.
 
 The step is the trainer's: the config's loss head (train.head, train.l2wrap),
-train.grad_cp, train.precision and train.compile (the warm-up step compiles).
+train.grad_cp, train.chunk_len, train.precision and train.compile (the warm-up step compiles).
 Memory of one step, gradients freed before it
 as the trainer does: on CUDA from the caching allocator's peak, on the CPU from
 the profiler's record of every allocation and free (sum in time order, peak of
@@ -76,7 +76,7 @@ def bench_model(
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
 
-    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile)
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
     step()  # warm-up
     sync(device)
     if vs_gpt:
@@ -123,6 +123,7 @@ def bench_model(
         "device": str(device),
         "precision": mode,
         "grad_cp": tc.grad_cp,
+        "chunk_len": tc.chunk_len,
         "head": tc.head,
         "batch": B,
         "ctx_len": T,
@@ -164,16 +165,25 @@ def bench_model(
 
 
 def _train_step(
-    model, opt, idx: torch.Tensor, head: str, l2wrap: bool, mode: str, device: torch.device, compile: bool = False
+    model,
+    opt,
+    idx: torch.Tensor,
+    head: str,
+    l2wrap: bool,
+    mode: str,
+    device: torch.device,
+    compile: bool = False,
+    chunk_len: int = 0,
 ):
     """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
     loss under the precision's autocast, backward, the optimizer step, gradients freed. With
-    `compile` (train.compile) the forward runs through torch.compile, as the trainer's does."""
+    `compile` (train.compile) the forward runs through torch.compile, as the trainer's does; with
+    `chunk_len` (train.chunk_len) the window runs as chunked full BPTT."""
     forward = torch.compile(model) if compile else model
 
     def step():
         with rt.autocast(mode, device):
-            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
+            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap, chunk_len)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

@@ -204,7 +204,8 @@ class Trainer:
         return loss_value, lr, norm_value, applied
 
     def _loss(self, x, y, carry):
-        return micro_batch_loss(self.forward, x, y, carry, self.cfg.train.head, self.l2wrap)
+        t = self.cfg.train
+        return micro_batch_loss(self.forward, x, y, carry, t.head, self.l2wrap, t.chunk_len)
 
     def _nonfinite(self, loss: float, norm: float) -> None:
         t = self.cfg.train
