@@ -1,5 +1,5 @@
-"""Sampling. A pure RWKV model advances its recurrent state one token at a time
-(O(1) per token); a hybrid with attention blocks re-reads its context."""
+"""Sampling, one token at a time from the state: a recurrent block's is O(1) per token; a MoBA
+block's is the keys and values read so far, which each new token attends (no re-reading)."""
 
 from __future__ import annotations
 
@@ -27,14 +27,9 @@ def generate(model: LM, prompt: list[int], n_tokens: int, temperature=1.0, top_p
     gen = torch.Generator().manual_seed(seed)
     ids = list(prompt) or [0]
     out: list[int] = []
-    if model.recurrent:
-        logits, state = model(torch.tensor([ids], device=device))
-        for _ in range(n_tokens):
-            nxt = sample_next(logits[0, -1].cpu(), temperature, top_p, gen)
-            out.append(nxt)
-            logits, state = model(torch.tensor([[nxt]], device=device), state)
-    else:
-        for _ in range(n_tokens):
-            logits, _ = model(torch.tensor([ids + out], device=device))
-            out.append(sample_next(logits[0, -1].cpu(), temperature, top_p, gen))
+    logits, state = model(torch.tensor([ids], device=device))
+    for _ in range(n_tokens):
+        nxt = sample_next(logits[0, -1].cpu(), temperature, top_p, gen)
+        out.append(nxt)
+        logits, state = model(torch.tensor([[nxt]], device=device), state)
     return out

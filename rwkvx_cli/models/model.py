@@ -44,7 +44,8 @@ class Block(nn.Module):
     """x = ln0(x) in the first block only (the embedding is normalised once);
     x += att(ln1 x); x += ffn(ln2 x). `att` is the kind's time mix (layers/); the
     channel mix is RWKV's in every kind. The state is the time mix's dict plus the
-    channel mix's token-shift vector (None for MoBA, which has no state)."""
+    channel mix's token-shift vector (MoBA's: the keys and values read so far, with no
+    fixed-size zero state: `empty_state` is None)."""
 
     def __init__(self, kind: str, cfg: ModelConfig, layer_id: int, has_ln0: bool):
         super().__init__()
@@ -109,6 +110,14 @@ class LM(nn.Module):
 
     def empty_state(self, B: int, device) -> list:
         return [blk.empty_state(B, device) for blk in self.blocks]
+
+    def carried(self, state: list) -> list:
+        """The state truncated BPTT carries into the next step: detached, without the states that
+        grow with the tokens read (MoBA's keys and values), which start afresh each step."""
+        return [
+            None if s is None or getattr(blk.att, "grows", False) else {k: v.detach() for k, v in s.items()}
+            for blk, s in zip(self.blocks, state, strict=True)
+        ]
 
     def forward(
         self,

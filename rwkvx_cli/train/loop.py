@@ -187,7 +187,7 @@ class Trainer:
                 with self.runtime.autocast():
                     loss, state = self._loss(x[rows], y[rows], self.carry[micro])
                 if t.tbptt:
-                    self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
+                    self.carry[micro] = self.model.carried(state)
                 (loss * weight).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size

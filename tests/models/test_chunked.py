@@ -22,6 +22,9 @@ STACKS = {
     "gdn": ["gdn"],
     "kda": ["kda"],
     "rwkv8": ["rwkv8"],
+    # RWKV-X: MoBA attends the keys and values of earlier chunks through its state (chunks of 4
+    # tokens, the top 1 earlier chunk: the BPTT chunks of 7 end inside MoBA chunks).
+    "hybrid": ["rwkv7", "moba", "rwkv7"],
 }
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5}
 
@@ -31,7 +34,7 @@ def _model(stack: str):
     """A tiny model of the stack, its weights perturbed (init zeroes the output projections, which
     would make every block the identity) by a draw in fp64, so fp32 and fp64 hold the same model."""
     layers = STACKS[stack]
-    cfg = ModelConfig(vocab_size=V, n_layer=len(layers), n_embd=32, head_size=16, layers=layers)
+    cfg = ModelConfig(vocab_size=V, n_embd=32, head_size=16, layers=layers, moba_chunk=4, moba_top_k=1)
     model = build_model(cfg, 0).double()
     gen = torch.Generator().manual_seed(1)
     with torch.no_grad():
@@ -92,19 +95,19 @@ def test_chunked_window_equals_the_whole_window(stack, chunk_len, dtype):
     got = loss_and_grads(model, x, y, chunk_len)
     assert_same(got, want, dtype)
     # The state after the window is the same too (what TBPTT carries on).
-    for a, b in zip(got[2], want[2], strict=True):
-        for name in b:
+    for a, b in zip(model.carried(got[2]), model.carried(want[2]), strict=True):
+        for name in b or {}:
             torch.testing.assert_close(a[name], b[name], rtol=TOLERANCE[dtype], atol=TOLERANCE[dtype])
 
 
-@pytest.mark.parametrize("stack", ["rwkv7", "gdn", "rwkv8"])
+@pytest.mark.parametrize("stack", ["rwkv7", "gdn", "rwkv8", "hybrid"])
 def test_from_a_carried_state(stack):
     """TBPTT and chunking together: the window starts from the state an earlier window left."""
     model = model_of(stack, torch.float64)
     x0, _ = batch(seed=5)
     with torch.no_grad():
         _, state = model(x0)
-    state = [{k: v.detach() for k, v in s.items()} for s in state]
+    state = model.carried(state)  # as TBPTT carries it (MoBA's keys and values start afresh)
     x, y = batch()
     want = loss_and_grads(model, x, y, 0, state=state)
     got = loss_and_grads(model, x, y, 5, state=state)
