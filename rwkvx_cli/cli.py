@@ -131,6 +131,15 @@ Output = Annotated[Path | None, typer.Option(help="--tasks: also write the resul
 Bootstrap = Annotated[int, typer.Option(min=0, help="--tasks: bootstrap samples for stderrs (0: none).")]
 
 
+# --by-position, --passkey and their options (docs/eval.md#long-context)
+ByPosition = Annotated[bool, typer.Option("--by-position", help="Validation loss by token position, state carried.")]
+MaxLen = Annotated[int | None, typer.Option(min=1, help="--by-position: the longest position (default <= 65,536).")]
+Against = Annotated[Path | None, typer.Option(help="--by-position: also this checkpoint, on the same streams.")]
+Passkey = Annotated[str | None, typer.Option(help="Passkey retrieval at these prompt lengths, e.g. 1k,4k,16k.")]
+Trials = Annotated[int | None, typer.Option(min=1, help="--passkey: prompts per length and depth (default 4).")]
+Plot = Annotated[Path | None, typer.Option(help="--by-position / --passkey: the PNG (default: in the run dir).")]
+
+
 @app.command("eval")
 @reports_errors
 def eval_cmd(
@@ -149,30 +158,20 @@ def eval_cmd(
     include_path: IncludePath = None,
     output: Output = None,
     bootstrap_iters: Bootstrap = 100_000,
+    by_position: ByPosition = False,
+    max_len: MaxLen = None,
+    against: Against = None,
+    passkey: Passkey = None,
+    trials: Trials = None,
+    plot: Plot = None,
 ) -> None:
-    """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text.
-    With --tasks, lm-evaluation-harness tasks instead (docs/eval.md; pip install 'rwkvx\\[eval]')."""
-    from rwkvx_cli.render import render_eval, render_tasks
-
-    task_options = dict(limit=limit, num_fewshot=num_fewshot, include_path=include_path, output=output)
-    if tasks is None:
-        given = [f"--{k.replace('_', '-')}" for k, v in task_options.items() if v is not None]
-        if given:
-            raise UsageError(f"{given[0]} goes with --tasks")
-        from rwkvx_cli.evaluation.validation import eval_checkpoint
-
-        sample = dict(prompt=generate, n_tokens=tokens, temperature=temperature, top_p=top_p, seed=seed)
-        render_eval(eval_checkpoint(checkpoint, data_dir, on_skip=_warn_skipped, **sample), json_out)
-        return
-    if generate is not None:
-        raise UsageError("--generate and --tasks do not go together; run them separately")
-    from rwkvx_cli.evaluation.harness import run_tasks
-
-    del task_options["output"]
-    harness = dict(batch_size=batch_size, bootstrap_iters=bootstrap_iters, seed=seed, **task_options)
-    scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=_warn_skipped, **harness)
-    write_json(output, scores.summary)
-    render_tasks(scores, json_out, output)
+    """Validation loss, perplexity, bits/byte and tokens/s of a checkpoint (--generate: and a sample); --tasks:
+    lm-evaluation-harness (docs/eval.md; pip install 'rwkvx\\[eval]'); --by-position, --passkey: long context."""
+    options = dict(locals())  # every option, by name: the library checks which go together
+    from rwkvx_cli.evaluation.command import run_eval
+    from rwkvx_cli.render import render_evaluation
+    mode, result = run_eval(options.pop("checkpoint"), on_skip=_warn_skipped, **options)
+    render_evaluation(mode, result, json_out, output)
 
 
 @app.command()
