@@ -241,6 +241,7 @@ ModelCfg = Annotated[Path | None, typer.Option("--model", help="Bench training s
 Steps = Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")]
 Sets = Annotated[Names, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")]
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
+VsFull = Annotated[bool, typer.Option(help="With --model and train.chunk_len: also time the unchunked step.")]
 
 
 @app.command()
@@ -257,24 +258,23 @@ def bench(
     steps: Steps = 5,
     override: Sets = None,
     vs_gpt: VsGpt = False,
+    vs_unchunked: VsFull = False,
     json_path: JsonOpt = None,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
     from rwkvx_cli.render import bench_status, render_bench, render_model_bench
     from rwkvx_cli.runs.runtime import resolve_device
 
-    if model is None and (override or vs_gpt):
-        raise UsageError(f"{'--set' if override else '--vs-gpt'} goes with --model CFG")
+    if model is None and (override or vs_gpt or vs_unchunked):
+        raise UsageError(f"{'--set' if override else '--vs-gpt' if vs_gpt else '--vs-unchunked'} goes with --model CFG")
     dev = resolve_device(device.value, setting="--device")
     if model is not None:
         from rwkvx_cli.tools.bench_model import bench_model
-
-        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt)
+        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt, vs_unchunked=vs_unchunked)
         render_model_bench(result)
         write_json(json_path, result)
         return
     from rwkvx_cli.tools.bench import plan_bench, run_bench
-
     specs, shapes = plan_bench(op, backend, shape, dtype.value, baseline, dev)
     modes = [m.value for m in mode or [BenchMode["fwdbwd"]]]
     with bench_status() as on_row:

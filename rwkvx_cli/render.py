@@ -505,12 +505,12 @@ def render_model_bench(r: dict) -> None:
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
         f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
-    gpt = r.get("gpt")
+    gpt = r.get("gpt") or r.get("unchunked")
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
     table.add_column("this config" if gpt else "value", justify="right")
     if gpt:
-        table.add_column("GPT", justify="right")
+        table.add_column("GPT" if "gpt" in r else "unchunked", justify="right")
 
     def fmt(val) -> str:
         if val is None:
@@ -536,7 +536,9 @@ def render_model_bench(r: dict) -> None:
             row.append(fmt(gpt.get(key)))
         table.add_row(*row)
     out.print(table)
-    if gpt:
+    if "chunked_over_unchunked" in r:
+        out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")
+    elif gpt:
         out.print(
             f"[bold]this config / GPT tokens/s: {r['rwkv_over_gpt']:.2f}x[/] · GPT: {gpt['shape']} · {r['timing']}"
         )

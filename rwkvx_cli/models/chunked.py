@@ -49,7 +49,9 @@ def chunked_loss(model, idx, targets, state=None, *, chunk_len: int, head: str =
         args = (model, idx[:, lo:hi], targets[:, lo:hi], state, head, l2wrap)
         if recompute:
             slot = RecomputeSlot() if head == "chunked" else None
-            loss, state = checkpoint(_chunk, *args, slot, use_reentrant=False)
+            loss, state = checkpoint(
+                _chunk, *args, slot, use_reentrant=False, preserve_rng_state=False, determinism_check="none"
+            )
         else:
             loss, state = _chunk(*args, None)
         part = loss * ((hi - lo) / T)

@@ -28,7 +28,9 @@ process on the same tokens: same B, T, device, precision, loss head (no L2Wrap),
 and number of steps. The two models' steps alternate (round i: RWKV then GPT, or GPT then
 RWKV on odd rounds), each step timed on its own, and both step times are medians over the
 rounds, so that the machine's noise hits both alike; `rwkv_over_gpt` = RWKV tokens/s / GPT
-tokens/s.
+tokens/s. With `vs_unchunked` (a config with train.chunk_len) the same window's unchunked step
+is timed the same way, interleaved, and its memory measured: `chunked_over_unchunked` = chunked
+step time / unchunked step time.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import load_config
+from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
@@ -61,10 +64,22 @@ def _inside_recurrence(event) -> bool:
 
 
 def bench_model(
-    config: Path, steps: int, device: torch.device, overrides: list[str] = (), vs_gpt: bool = False
+    config: Path,
+    steps: int,
+    device: torch.device,
+    overrides: list[str] = (),
+    vs_gpt: bool = False,
+    vs_unchunked: bool = False,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
+    if vs_unchunked and not 0 < tc.chunk_len < tc.ctx_len:
+        raise UsageError(
+            f"--vs-unchunked compares chunked BPTT with the whole window: train.chunk_len ({tc.chunk_len}) must be "
+            f"set and shorter than train.ctx_len ({tc.ctx_len})"
+        )
+    if vs_unchunked and vs_gpt:
+        raise UsageError("--vs-unchunked and --vs-gpt do not go together; run them separately")
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
     runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
@@ -89,6 +104,11 @@ def bench_model(
         gpt_step()  # warm-up
         step_s, gpt_step_s = _interleaved(step, gpt_step, steps, device)
         del gpt, gpt_opt, gpt_step  # the memory and profile below are the RWKV step's alone
+    elif vs_unchunked:
+        whole = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile)  # the same window, unchunked
+        whole()  # warm-up
+        step_s, whole_s = _interleaved(step, whole, steps, device)
+        whole_memory = step_memory(whole, model, device)
     else:
         start = time.perf_counter()
         for _ in range(steps):
@@ -139,8 +159,13 @@ def bench_model(
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
         "parameters": summary["parameters"],
-        "timing": f"median of {steps} steps, interleaved with the GPT's" if vs_gpt else f"mean of {steps} steps",
+        "timing": f"median of {steps} steps, interleaved with the {'GPT' if vs_gpt else 'unchunked'} step's"
+        if vs_gpt or vs_unchunked
+        else f"mean of {steps} steps",
     }
+    if vs_unchunked:
+        result["unchunked"] = {"tokens_per_s": B * T / whole_s, "step_ms": whole_s * 1e3, **whole_memory}
+        result["chunked_over_unchunked"] = step_s / whole_s
     if vs_gpt:
         gpt_tokens_per_s = B * T / gpt_step_s
         result["gpt"] = {

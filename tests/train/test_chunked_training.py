@@ -50,3 +50,22 @@ def test_a_negative_chunk_len_is_one_line_exit_2(tmp_path, corpus):
     result = runner.invoke(app, ["train", *tiny_args(tmp_path / "r", corpus, "train.chunk_len=-1")])
     assert result.exit_code == 2 and "train.chunk_len: must be >= 0" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_ddp_and_fsdp_train_chunked_like_one_process(tmp_path, corpus):
+    """Two gloo ranks, DDP and FSDP2, on the hybrid with chunked BPTT: the chunks run inside one
+    forward, so each parameter's gradient is summed over them before the ranks reduce it."""
+    from tests.train.helpers import run_cli
+
+    prepared = tmp_path / "prepared"
+    assert runner.invoke(app, ["data", "prepare", str(corpus), "--out", str(prepared)]).exit_code == 0
+    args = ("model.n_attn=1", "model.moba_chunk=8", "train.chunk_len=12", "train.micro_batch=2", "train.grad_accum=4")
+    args += ("train.tokens=2560",)
+    train(*tiny_args(tmp_path / "one", prepared, *args))
+    want = losses(tmp_path / "one")
+    for mode in ("ddp", "fsdp"):
+        result = run_cli("train", *tiny_args(tmp_path / mode, prepared, *args, f"train.distributed={mode}"), nproc=2)
+        assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-2000:]
+        assert f"x 2 ranks ({mode})" in result.stdout
+        got = losses(tmp_path / mode)
+        assert len(got) == 10 and max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5
