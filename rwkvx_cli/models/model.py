@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.chunked import chunked_loss
+from rwkvx_cli.models.chunked import chunked_loss, compact
 from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_
 from rwkvx_cli.models.losses import linear_cross_entropy
 
@@ -113,11 +113,13 @@ class LM(nn.Module):
 
     def carried(self, state: list) -> list:
         """The state truncated BPTT carries into the next step: detached, without the states that
-        grow with the tokens read (MoBA's keys and values), which start afresh each step."""
-        return [
+        grow with the tokens read (MoBA's keys and values), which start afresh each step; copied
+        out of the activations a token shift views (chunked.compact), which would stay alive."""
+        kept = [
             None if s is None or getattr(blk.att, "grows", False) else {k: v.detach() for k, v in s.items()}
             for blk, s in zip(self.blocks, state, strict=True)
         ]
+        return compact(kept)
 
     def forward(
         self,

@@ -210,3 +210,44 @@ def test_step_memory_does_not_grow_with_the_window():
     short, long = activations(256, 256), activations(1024, 256)
     assert long <= 1.25 * short, (short, long)
     assert activations(1024, 0) >= 3 * short
+
+
+def _net_bytes(fn) -> tuple[int, object]:
+    """Bytes allocated and not freed while `fn` runs (the profiler's record of every allocation and
+    free), and what it returns."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU], profile_memory=True) as prof:
+        out = fn()
+    return sum(e.self_cpu_memory_usage for e in prof.events()), out
+
+
+@pytest.mark.parametrize("stack", ["rwkv7", "gdn"])
+def test_the_forward_keeps_only_the_boundary_states(stack):
+    """What a chunked window's forward leaves for the backward: the ids, the chunks' losses and one
+    state per boundary, whatever the window. A token shift kept as a view of its chunk's activations
+    would keep those alive too (4 KB a token for the tiny RWKV-7 before chunked.compact)."""
+    model = model_of(stack, torch.float32)
+
+    def kept(length):
+        x, y = batch(B=1, length=length)
+        nbytes, (loss, _) = _net_bytes(lambda: micro_batch_loss(model, x, y, None, "chunked", True, 256))
+        loss.backward()
+        model.zero_grad(set_to_none=True)
+        return nbytes
+
+    short, long = kept(1024), kept(4096)
+    state = sum(t.numel() * 4 for s in model.empty_state(1, "cpu") for t in s.values())
+    assert long - short <= 12 * state + 64 * 1024, (short, long, state)  # 12 more boundaries, a little slack
+
+
+def test_the_tbptt_carry_holds_only_the_state():
+    """LM.carried copies the token shifts out of the activations they view (which would otherwise
+    stay alive until the next step) and leaves MoBA's keys and values behind."""
+    for stack in ("rwkv7", "gdn", "hybrid"):
+        model = model_of(stack, torch.float32)
+        _, state = model(batch(B=1, length=64)[0])
+        for kind, s in zip(model.kinds, model.carried(state), strict=True):
+            if kind == "moba":
+                assert s is None
+                continue
+            for name, t in s.items():
+                assert not t.requires_grad and t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
