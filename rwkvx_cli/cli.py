@@ -125,6 +125,13 @@ FewShot = Annotated[int | None, typer.Option(min=0, help="--tasks: few-shot exam
 IncludePath = Annotated[Path | None, typer.Option(help="--tasks: a directory of extra task YAMLs.")]
 Output = Annotated[Path | None, typer.Option(help="--tasks: also write the results as JSON here.")]
 Bootstrap = Annotated[int, typer.Option(min=0, help="--tasks: bootstrap samples for stderrs (0: none).")]
+# --by-position, --passkey and their options (docs/eval.md#long-context)
+ByPosition = Annotated[bool, typer.Option("--by-position", help="Validation loss by token position, state carried.")]
+MaxLen = Annotated[int | None, typer.Option(min=1, help="--by-position: the longest position (default <= 65,536).")]
+Against = Annotated[Path | None, typer.Option(help="--by-position: also this checkpoint, on the same streams.")]
+Passkey = Annotated[str | None, typer.Option(help="Passkey retrieval at these prompt lengths, e.g. 1k,4k,16k.")]
+Trials = Annotated[int | None, typer.Option(min=1, help="--passkey: prompts per length and depth (default 4).")]
+Plot = Annotated[Path | None, typer.Option(help="--by-position / --passkey: the PNG (default: in the run dir).")]
 
 
 @app.command("eval")
@@ -145,29 +152,22 @@ def eval_cmd(
     include_path: IncludePath = None,
     output: Output = None,
     bootstrap_iters: Bootstrap = 100_000,
+    by_position: ByPosition = False,
+    max_len: MaxLen = None,
+    against: Against = None,
+    passkey: Passkey = None,
+    trials: Trials = None,
+    plot: Plot = None,
     force: ForceOpt = False,
 ) -> None:
-    """Validation loss, perplexity, bits per byte and tokens/s of a checkpoint; optionally sample text.
-    With --tasks, lm-evaluation-harness tasks instead (docs/eval.md; pip install 'rwkvx\\[eval]')."""
-    from rwkvx_cli.render import render_eval, render_tasks
+    """Validation loss, perplexity, bits/byte and tokens/s of a checkpoint (--generate: and a sample); --tasks:
+    lm-evaluation-harness (docs/eval.md; pip install 'rwkvx\\[eval]'); --by-position, --passkey: long context."""
+    options = dict(locals())  # every option, by name: the library checks which go together
+    from rwkvx_cli.evaluation.command import run_eval
+    from rwkvx_cli.render import render_evaluation
 
-    task_options = dict(limit=limit, num_fewshot=num_fewshot, include_path=include_path, output=output)
-    if tasks is None:
-        given = [f"--{k.replace('_', '-')}" for k, v in task_options.items() if v is not None]
-        if given:
-            raise UsageError(f"{given[0]} goes with --tasks")
-        from rwkvx_cli.evaluation.validation import eval_checkpoint
-
-        sample = dict(prompt=generate, n_tokens=tokens, temperature=temperature, top_p=top_p, seed=seed)
-        render_eval(eval_checkpoint(checkpoint, data_dir, on_skip=warn_skipped, **sample), json_out)
-        return
-    if generate is not None:
-        raise UsageError("--generate and --tasks do not go together; run them separately")
-    from rwkvx_cli.evaluation.harness import run_tasks
-
-    harness = dict(batch_size=batch_size, bootstrap_iters=bootstrap_iters, seed=seed, force=force, **task_options)
-    scores = run_tasks(checkpoint, tasks, data_dir=data_dir, on_skip=warn_skipped, **harness)
-    render_tasks(scores, json_out, output)
+    mode, result = run_eval(options.pop("checkpoint"), on_skip=warn_skipped, **options)
+    render_evaluation(mode, result, json_out, output)
 
 
 @app.command()
@@ -175,9 +175,7 @@ def eval_cmd(
 def explain(
     checkpoint: CheckpointOpt,
     text: Annotated[str, typer.Option("--text", help="The input text; its last token's prediction is explained.")],
-    target: Annotated[
-        str, typer.Option("--target", help="The token whose logit to explain (one token), or 'next': the top one.")
-    ] = "next",
+    target: Annotated[str, typer.Option(help="The token whose logit to explain, or 'next': the top one.")] = "next",
     per_layer: Annotated[bool, typer.Option("--per-layer", help="Also each block output's relevance.")] = False,
     epsilon: Annotated[float, typer.Option("--epsilon", min=0.0, help="LRP-epsilon stabiliser (0: exact).")] = 0.0,
     data_dir: DataOpt = None,
@@ -237,6 +235,7 @@ ModelCfg = Annotated[Path | None, typer.Option("--model", help="Bench training s
 Steps = Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")]
 Sets = Annotated[Names, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")]
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
+VsFull = Annotated[bool, typer.Option(help="With --model and train.chunk_len: also time the unchunked step.")]
 
 
 @app.command()
@@ -253,6 +252,7 @@ def bench(
     steps: Steps = 5,
     override: Sets = None,
     vs_gpt: VsGpt = False,
+    vs_unchunked: VsFull = False,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
 ) -> None:
@@ -260,15 +260,16 @@ def bench(
     from rwkvx_cli.render import bench_status, render_bench, render_model_bench
     from rwkvx_cli.runs.runtime import resolve_device
 
-    if model is None and (override or vs_gpt):
-        raise UsageError(f"{'--set' if override else '--vs-gpt'} goes with --model CFG")
+    given = [flag for flag, on in (("--set", override), ("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked)) if on]
+    if model is None and given:
+        raise UsageError(f"{given[0]} goes with --model CFG")
     dev = resolve_device(device.value, setting="--device")
     if json_path is not None:
         check_output(json_path, force, "--json")
     if model is not None:
         from rwkvx_cli.tools.bench_model import bench_model
 
-        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt)
+        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt, vs_unchunked=vs_unchunked)
         render_model_bench(result)
         write_json(json_path, result, force=force)
         return

@@ -171,6 +171,10 @@ class TrainConfig:
     # Recompute each block's activations in the backward pass instead of keeping them (RWKV-LM's
     # --grad_cp): less memory, about one more forward of compute.
     grad_cp: bool = False
+    # Chunked full BPTT (0 = off): a window runs as consecutive chunks of chunk_len tokens, each from
+    # the previous chunk's final state with its gradient, each recomputed in the backward; the loss and
+    # gradients are the whole window's, the memory one chunk's (models/chunked.py, docs/training.md).
+    chunk_len: int = 0
     # Under torchrun: "ddp" replicates the model on every rank; "fsdp" shards parameters,
     # gradients and optimizer state across ranks (FSDP2 `fully_shard`) for models that do not fit one device.
     distributed: str = "ddp"
@@ -267,6 +271,7 @@ class Config:
             (d.eod_id >= 0, "data.eod_id", "must be >= 0"),
             (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
             (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
+            (t.chunk_len >= 0, "train.chunk_len", "must be >= 0 (0: off)"),
         ]
         for ok, name, why in checks:
             if not ok:

@@ -214,6 +214,63 @@ def render_eval(ev: dict, as_json: bool) -> None:
         out.print(ev["sample"], markup=False)
 
 
+def render_evaluation(mode: str, result, as_json: bool, output: Path | None) -> None:
+    """What `rwkvx eval` computed (evaluation/command.py), by mode."""
+    if mode == "plain":
+        render_eval(result, as_json)
+    elif mode == "tasks":
+        render_tasks(result, as_json, output)
+    else:
+        render_long_context(result, as_json)
+
+
+def render_long_context(result: dict, as_json: bool) -> None:
+    """`rwkvx eval --by-position` / `--passkey`: a table (or the figures as JSON), and the picture."""
+    from rwkvx_cli.evaluation import plots
+
+    by_position = result["kind"] == "by_position"
+    if as_json:
+        out.print_json(json.dumps(result))
+    else:
+        print_wide(_by_position_table(result) if by_position else _passkey_table(result))
+    (plots.plot_by_position if by_position else plots.plot_passkey)(result, Path(result["plot"]))
+    err.print(f"wrote {result['plot']}", markup=False)
+
+
+def _by_position_table(r: dict) -> Table:
+    from rwkvx_cli.evaluation.plots import run_label
+
+    table = Table(
+        title=f"validation loss by position · {r['streams']} stream(s) of {r['max_len']:,} tokens, state carried",
+        title_justify="left",
+    )
+    table.add_column("positions", no_wrap=True)
+    table.add_column("tokens", justify="right")
+    for run in r["runs"]:
+        table.add_column(run_label(run), justify="right")
+    for i, b in enumerate(r["runs"][0]["buckets"]):
+        span = f"{b['lo']:,}" if b["hi"] == b["lo"] + 1 else f"{b['lo']:,}-{b['hi'] - 1:,}"
+        table.add_row(span, f"{b['tokens']:,}", *(f"{run['buckets'][i]['loss']:.4f}" for run in r["runs"]))
+    table.add_row("all", f"{r['tokens']:,}", *(f"{run['loss']:.4f}" for run in r["runs"]), style="bold")
+    return table
+
+
+def _passkey_table(r: dict) -> Table:
+    table = Table(
+        title=f"passkey accuracy · step {r['step']} (trained at ctx {r['ctx_len']:,}) · {r['trials']} trials per cell",
+        title_justify="left",
+    )
+    table.add_column("depth / length", no_wrap=True)
+    for n in r["lengths"]:
+        table.add_column(f"{n:,}", justify="right")
+    cells = {(c["length"], c["depth"]): c for c in r["cells"]}
+    for d in r["depths"]:
+        table.add_row(f"{d:g}", *(f"{cells[n, d]['correct']}/{r['trials']}" for n in r["lengths"]))
+    total = sum(c["correct"] for c in r["cells"])
+    table.add_row("all", f"{total}/{r['trials'] * len(r['cells'])}", *[""] * (len(r["lengths"]) - 1), style="bold")
+    return table
+
+
 def render_tasks(scores, as_json: bool, output: Path | None) -> None:
     """`rwkvx eval --tasks`: a row per task and metric (or the summary as JSON)."""
     if as_json:
@@ -553,16 +610,17 @@ def render_bench(report, baseline: str) -> None:
 
 def render_model_bench(r: dict) -> None:
     sets = "".join(f" {o}" for o in r.get("overrides", ()))
+    chunked = f" · chunk_len {r['chunk_len']}" if r.get("chunk_len") else ""
     title = (
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
-        f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}"
+        f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
-    gpt = r.get("gpt")
+    gpt = r.get("gpt") or r.get("unchunked")
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
     table.add_column("this config" if gpt else "value", justify="right")
     if gpt:
-        table.add_column("GPT", justify="right")
+        table.add_column("GPT" if "gpt" in r else "unchunked", justify="right")
 
     def fmt(val) -> str:
         if val is None:
@@ -588,7 +646,9 @@ def render_model_bench(r: dict) -> None:
             row.append(fmt(gpt.get(key)))
         table.add_row(*row)
     out.print(table)
-    if gpt:
+    if "chunked_over_unchunked" in r:
+        out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")
+    elif gpt:
         out.print(
             f"[bold]this config / GPT tokens/s: {r['rwkv_over_gpt']:.2f}x[/] · GPT: {gpt['shape']} · {r['timing']}"
         )

@@ -1,5 +1,5 @@
-"""Sampling. A pure RWKV model advances its recurrent state one token at a time
-(O(1) per token); a hybrid with attention blocks re-reads its context."""
+"""Sampling, one token at a time from the state: a recurrent block's is O(1) per token; a MoBA
+block's is the keys and values read so far, which each new token attends (no re-reading)."""
 
 from __future__ import annotations
 
@@ -35,14 +35,9 @@ def generate(
 
     ids = list(prompt) or [0]
     out: list[int] = []
-    if model.recurrent:
-        logits, state = model(torch.tensor([ids], device=device))
-        for _ in range(n_tokens):
-            nxt = pick(logits[0, -1])
-            out.append(nxt)
-            logits, state = model(torch.tensor([[nxt]], device=device), state)
-    else:
-        for _ in range(n_tokens):
-            logits, _ = model(torch.tensor([ids + out], device=device))
-            out.append(pick(logits[0, -1]))
+    logits, state = model(torch.tensor([ids], device=device))
+    for _ in range(n_tokens):
+        nxt = pick(logits[0, -1])
+        out.append(nxt)
+        logits, state = model(torch.tensor([[nxt]], device=device), state)
     return out

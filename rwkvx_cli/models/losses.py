@@ -29,21 +29,39 @@ def chunk_rows(vocab: int, budget: int = CHUNK_BYTES) -> int:
     return max(1, budget // (4 * vocab))
 
 
+class RecomputeSlot:
+    """Where the chunked head leaves its gradient when its chunk is recomputed (chunked BPTT,
+    models/chunked.py). torch.utils.checkpoint runs a chunk twice: the forward, whose graph the
+    backward walks, and in the backward the recompute, which only refills the tensors that graph
+    saved. The head's gradient, formed in its forward and kept on `ctx` rather than saved, would
+    outlive the chunk if the first run formed it; so the first run computes the loss alone, the
+    recompute (the same call, with the same slot) the loss and the gradient, and the first run's
+    backward takes the gradient from here."""
+
+    def __init__(self):
+        self.calls = 0
+        self.grads: tuple | None = None
+
+
 class _LinearCrossEntropy(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, h, weight, targets, l2wrap, rows_per_chunk):
+    def forward(ctx, h, weight, targets, l2wrap, rows_per_chunk, slot):
         M = h.shape[0]
         acc = torch.float64 if h.dtype == torch.float64 else torch.float32  # fp32 accumulation at least
+        # Under chunked BPTT the chunk's first run (slot.calls == 0) needs the loss only.
+        grads = slot is None or slot.calls > 0
         w = weight.to(h.dtype)
         w_acc = weight.to(acc)
-        dh = torch.empty(h.shape, dtype=acc, device=h.device)
-        dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if ctx.needs_input_grad[1] else None
+        dh = torch.empty(h.shape, dtype=acc, device=h.device) if grads else None
+        dw = torch.zeros(weight.shape, dtype=acc, device=h.device) if grads and ctx.needs_input_grad[1] else None
         total = torch.zeros((), dtype=acc, device=h.device)
         for lo in range(0, M, rows_per_chunk):
             hc, yc = h[lo : lo + rows_per_chunk], targets[lo : lo + rows_per_chunk]
             z = (hc @ w.t()).to(acc)
             lse = torch.logsumexp(z, dim=-1)
             total += (lse - z.gather(1, yc[:, None]).squeeze(1)).sum()
+            if not grads:
+                continue
             zmax, ids = z.max(dim=-1, keepdim=True) if l2wrap else (None, None)
             dz = z.sub_(lse[:, None]).exp_()  # softmax, in z's storage
             dz.scatter_add_(1, yc[:, None], torch.full_like(lse[:, None], -1.0))
@@ -53,35 +71,59 @@ class _LinearCrossEntropy(torch.autograd.Function):
             dh[lo : lo + rows_per_chunk] = dz @ w_acc
             if dw is not None:
                 dw.addmm_(dz.t(), hc.to(acc))
-        # Kept on ctx rather than saved: backward scales them in place and hands them on as the
-        # gradients, so the head never holds a second [V, C] buffer (one backward per forward).
-        ctx.grads = (dh, dw)
         ctx.dtypes = (h.dtype, weight.dtype)
+        ctx.slot = slot
+        if slot is None:
+            # Kept on ctx rather than saved: backward scales them in place and hands them on as the
+            # gradients, so the head never holds a second [V, C] buffer (one backward per forward).
+            ctx.grads = (dh, dw)
+        else:
+            if grads:
+                slot.grads = (dh, dw)
+            slot.calls += 1
+            # Saved so that the backward's unpacking of it sets off the chunk's recompute, which
+            # leaves the gradient in the slot (the same tensors in both runs, as checkpoint requires).
+            ctx.save_for_backward(targets)
         return total / M
 
     @staticmethod
     def backward(ctx, grad):
-        if ctx.grads is None:
-            raise RuntimeError("the chunked loss head supports one backward pass per forward (no retain_graph)")
-        (dh, dw), ctx.grads = ctx.grads, None
+        if ctx.slot is None:
+            grads, ctx.grads = ctx.grads, None
+        else:
+            ctx.saved_tensors  # noqa: B018 - under checkpoint: recomputes the chunk, filling the slot
+            grads, ctx.slot.grads = ctx.slot.grads, None
+        if grads is None:
+            raise RuntimeError(
+                "the chunked loss head supports one backward pass per forward (no retain_graph), and a "
+                "RecomputeSlot only inside torch.utils.checkpoint"
+            )
+        dh, dw = grads
         h_dtype, w_dtype = ctx.dtypes
         gh = dh.mul_(grad).to(h_dtype) if ctx.needs_input_grad[0] else None
         gw = dw.mul_(grad).to(w_dtype) if dw is not None else None
-        return gh, gw, None, None, None
+        return gh, gw, None, None, None, None
 
 
 def linear_cross_entropy(
-    h: torch.Tensor, weight: torch.Tensor, targets: torch.Tensor, *, l2wrap: bool = False, rows: int | None = None
+    h: torch.Tensor,
+    weight: torch.Tensor,
+    targets: torch.Tensor,
+    *,
+    l2wrap: bool = False,
+    rows: int | None = None,
+    slot: RecomputeSlot | None = None,
 ) -> torch.Tensor:
     """Mean cross-entropy of `h @ weight.T` against `targets` (h [..., C], weight [V, C], targets [...]),
     computed in chunks of `rows` rows (default: ~64 MiB of fp32 logits each), with RWKV-LM's L2Wrap
     gradient when `l2wrap`. The peak extra memory is one chunk of logits plus fp32 gradients of h and W
-    (which become the gradients: fp32 parameters get no second copy)."""
+    (which become the gradients: fp32 parameters get no second copy). `slot`: inside a chunk that
+    torch.utils.checkpoint recomputes (chunked BPTT), a fresh RecomputeSlot per chunk."""
     h2 = h.reshape(-1, h.shape[-1])
     y = targets.reshape(-1).to(torch.int64)
     if h2.shape[0] != y.shape[0]:
         raise ValueError(f"{h2.shape[0]} rows of hidden states but {y.shape[0]} targets")
-    return _LinearCrossEntropy.apply(h2, weight, y, l2wrap, rows or chunk_rows(weight.shape[0]))
+    return _LinearCrossEntropy.apply(h2, weight, y, l2wrap, rows or chunk_rows(weight.shape[0]), slot)
 
 
 class L2Wrap(torch.autograd.Function):
@@ -107,11 +149,28 @@ def uses_l2wrap(setting: bool | None, kinds: list[str]) -> bool:
     return "rwkv7" in kinds if setting is None else setting
 
 
-def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool):
+def head_loss(h, head: torch.nn.Linear, targets, kind: str, l2wrap: bool, slot: RecomputeSlot | None = None):
+    """The mean cross-entropy of hidden states `h` [B, T, C] through `head`: the chunked head, or
+    full logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`."""
+    if kind == "chunked":
+        return linear_cross_entropy(h, head.weight, targets, l2wrap=l2wrap, slot=slot)
+    logits = head(h)
+    loss = torch.nn.functional.cross_entropy(_at_least_fp32(logits).flatten(0, 1), targets.flatten())
+    return L2Wrap.apply(loss, logits) if l2wrap else loss
+
+
+def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
+    return logits if logits.dtype == torch.float64 else logits.float()
+
+
+def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool, chunk_len: int = 0):
     """Mean cross-entropy of one micro-batch and the state after it: the chunked head, or full
-    logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`. `forward` is the (wrapped) model."""
+    logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`; with `chunk_len` shorter than the
+    window, chunked full BPTT (train.chunk_len, models/chunked.py). `forward` is the (wrapped) model."""
+    if 0 < chunk_len < x.shape[1]:
+        return forward(x, state, y, l2wrap=l2wrap, head=head, chunk_len=chunk_len)
     if head == "chunked":
         return forward(x, state, y, l2wrap=l2wrap)
     logits, new_state = forward(x, state)
-    loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1), y.flatten())
+    loss = torch.nn.functional.cross_entropy(_at_least_fp32(logits).flatten(0, 1), y.flatten())
     return (L2Wrap.apply(loss, logits) if l2wrap else loss), new_state

@@ -11,6 +11,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.models.chunked import chunked_loss, compact
 from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_
 from rwkvx_cli.models.losses import linear_cross_entropy
 
@@ -43,7 +44,8 @@ class Block(nn.Module):
     """x = ln0(x) in the first block only (the embedding is normalised once);
     x += att(ln1 x); x += ffn(ln2 x). `att` is the kind's time mix (layers/); the
     channel mix is RWKV's in every kind. The state is the time mix's dict plus the
-    channel mix's token-shift vector (None for MoBA, which has no state)."""
+    channel mix's token-shift vector (MoBA's: the keys and values read so far, with no
+    fixed-size zero state: `empty_state` is None)."""
 
     def __init__(self, kind: str, cfg: ModelConfig, layer_id: int, has_ln0: bool):
         super().__init__()
@@ -109,11 +111,33 @@ class LM(nn.Module):
     def empty_state(self, B: int, device) -> list:
         return [blk.empty_state(B, device) for blk in self.blocks]
 
-    def forward(self, idx: torch.Tensor, state: list | None = None, targets: torch.Tensor | None = None, l2wrap=False):
+    def carried(self, state: list) -> list:
+        """The state truncated BPTT carries into the next step: detached, without the states that
+        grow with the tokens read (MoBA's keys and values), which start afresh each step; copied
+        out of the activations a token shift views (chunked.compact), which would stay alive."""
+        kept = [
+            None if s is None or getattr(blk.att, "grows", False) else {k: v.detach() for k, v in s.items()}
+            for blk, s in zip(self.blocks, state, strict=True)
+        ]
+        return compact(kept)
+
+    def forward(
+        self,
+        idx: torch.Tensor,
+        state: list | None = None,
+        targets: torch.Tensor | None = None,
+        l2wrap=False,
+        *,
+        head: str = "chunked",
+        chunk_len: int = 0,
+    ):
         """Logits [B, T, V] and the state after the last token (for TBPTT / generation); with
         `targets`, the mean cross-entropy instead of the logits, computed in chunks of rows so that
         the [B, T, V] fp32 logits never exist whole (models/losses.py), with RWKV-LM's L2Wrap
-        gradient when `l2wrap`."""
+        gradient when `l2wrap`. With `targets` and `chunk_len`: chunked full BPTT over chunks of
+        that many tokens (models/chunked.py), with the loss head `head` (train.head)."""
+        if targets is not None and chunk_len:
+            return chunked_loss(self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap)
         x, new_state = self.hidden(idx, state)
         if targets is None:
             return self.head(x), new_state

@@ -77,12 +77,14 @@ def parameter_count(mcfg) -> int:
 
 def training_bytes(cfg, precision: str) -> tuple[float, str]:
     """(bytes, how) a training step needs at least: fp32 weights, gradients and AdamW's two moments
-    (16 bytes a parameter), one micro-batch's logits and log-probabilities and block inputs,
-    and the sampled batch of token ids. `precision`: the resolved mode (runs/runtime.py)."""
+    (16 bytes a parameter), one micro-batch's (under chunked BPTT one chunk's) logits and
+    log-probabilities and block inputs, and the sampled batch of token ids. `precision`: the
+    resolved mode (runs/runtime.py)."""
     t, m = cfg.train, cfg.model
     params = parameter_count(m)
     act_bytes = 2 if precision == "bf16-mixed" else 4  # bf16 autocast
-    tokens = t.micro_batch * t.ctx_len
+    # Chunked BPTT (train.chunk_len) keeps one chunk's activations at a time.
+    tokens = t.micro_batch * (min(t.ctx_len, t.chunk_len) if t.chunk_len else t.ctx_len)
     # fp32 logits (or their fp32 copy under autocast) and log-softmax's saved output; each block's input.
     activations = tokens * (2 * m.vocab_size * 4 + len_layers(m) * m.n_embd * act_bytes)
     batch = 2 * t.micro_batch * t.grad_accum * (t.ctx_len + 1) * 8

@@ -9,7 +9,7 @@ autograd functions, forward and backward, with the aten calls they make), of
 the other matmul calls, and of everything else.
 
 The step is the trainer's: the config's loss head (train.head, train.l2wrap),
-train.grad_cp, train.precision and train.compile (the warm-up step compiles).
+train.grad_cp, train.chunk_len, train.precision and train.compile (the warm-up step compiles).
 Memory of one step, gradients freed before it
 as the trainer does: on CUDA from the caching allocator's peak, on the CPU from
 the profiler's record of every allocation and free (sum in time order, peak of
@@ -28,7 +28,9 @@ process on the same tokens: same B, T, device, precision, loss head (no L2Wrap),
 and number of steps. The two models' steps alternate (round i: RWKV then GPT, or GPT then
 RWKV on odd rounds), each step timed on its own, and both step times are medians over the
 rounds, so that the machine's noise hits both alike; `rwkv_over_gpt` = RWKV tokens/s / GPT
-tokens/s.
+tokens/s. With `vs_unchunked` (a config with train.chunk_len) the same window's unchunked step
+is timed the same way, interleaved, and its memory measured: `chunked_over_unchunked` = chunked
+step time / unchunked step time.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import load_config
+from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
@@ -61,10 +64,22 @@ def _inside_recurrence(event) -> bool:
 
 
 def bench_model(
-    config: Path, steps: int, device: torch.device, overrides: list[str] = (), vs_gpt: bool = False
+    config: Path,
+    steps: int,
+    device: torch.device,
+    overrides: list[str] = (),
+    vs_gpt: bool = False,
+    vs_unchunked: bool = False,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
+    if vs_unchunked and not 0 < tc.chunk_len < tc.ctx_len:
+        raise UsageError(
+            f"--vs-unchunked compares chunked BPTT with the whole window: train.chunk_len ({tc.chunk_len}) must be "
+            f"set and shorter than train.ctx_len ({tc.ctx_len})"
+        )
+    if vs_unchunked and vs_gpt:
+        raise UsageError("--vs-unchunked and --vs-gpt do not go together; run them separately")
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
     runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
@@ -76,7 +91,7 @@ def bench_model(
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
 
-    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile)
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
     step()  # warm-up
     sync(device)
     if vs_gpt:
@@ -89,6 +104,11 @@ def bench_model(
         gpt_step()  # warm-up
         step_s, gpt_step_s = _interleaved(step, gpt_step, steps, device)
         del gpt, gpt_opt, gpt_step  # the memory and profile below are the RWKV step's alone
+    elif vs_unchunked:
+        whole = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile)  # the same window, unchunked
+        whole()  # warm-up
+        step_s, whole_s = _interleaved(step, whole, steps, device)
+        whole_memory = step_memory(whole, model, device)
     else:
         start = time.perf_counter()
         for _ in range(steps):
@@ -123,6 +143,7 @@ def bench_model(
         "device": str(device),
         "precision": mode,
         "grad_cp": tc.grad_cp,
+        "chunk_len": tc.chunk_len,
         "head": tc.head,
         "batch": B,
         "ctx_len": T,
@@ -138,8 +159,13 @@ def bench_model(
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
         "parameters": summary["parameters"],
-        "timing": f"median of {steps} steps, interleaved with the GPT's" if vs_gpt else f"mean of {steps} steps",
+        "timing": f"median of {steps} steps, interleaved with the {'GPT' if vs_gpt else 'unchunked'} step's"
+        if vs_gpt or vs_unchunked
+        else f"mean of {steps} steps",
     }
+    if vs_unchunked:
+        result["unchunked"] = {"tokens_per_s": B * T / whole_s, "step_ms": whole_s * 1e3, **whole_memory}
+        result["chunked_over_unchunked"] = step_s / whole_s
     if vs_gpt:
         gpt_tokens_per_s = B * T / gpt_step_s
         result["gpt"] = {
@@ -164,16 +190,25 @@ def bench_model(
 
 
 def _train_step(
-    model, opt, idx: torch.Tensor, head: str, l2wrap: bool, mode: str, device: torch.device, compile: bool = False
+    model,
+    opt,
+    idx: torch.Tensor,
+    head: str,
+    l2wrap: bool,
+    mode: str,
+    device: torch.device,
+    compile: bool = False,
+    chunk_len: int = 0,
 ):
     """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
     loss under the precision's autocast, backward, the optimizer step, gradients freed. With
-    `compile` (train.compile) the forward runs through torch.compile, as the trainer's does."""
+    `compile` (train.compile) the forward runs through torch.compile, as the trainer's does; with
+    `chunk_len` (train.chunk_len) the window runs as chunked full BPTT."""
     forward = torch.compile(model) if compile else model
 
     def step():
         with rt.autocast(mode, device):
-            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap)
+            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap, chunk_len)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

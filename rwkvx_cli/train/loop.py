@@ -199,7 +199,7 @@ class Trainer:
                 with self.runtime.autocast():
                     loss, state = self._loss(x[rows], y[rows], self.carry[micro])
                 if t.tbptt:
-                    self.carry[micro] = [None if s is None else {k: v.detach() for k, v in s.items()} for s in state]
+                    self.carry[micro] = self.model.carried(state)
                 (loss * weight).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size
@@ -217,7 +217,8 @@ class Trainer:
         return loss_value, lr, norm_value, applied
 
     def _loss(self, x, y, carry):
-        return micro_batch_loss(self.forward, x, y, carry, self.cfg.train.head, self.l2wrap)
+        t = self.cfg.train
+        return micro_batch_loss(self.forward, x, y, carry, t.head, self.l2wrap, t.chunk_len)
 
     def _nonfinite(self, loss: float, norm: float) -> None:
         t = self.cfg.train

@@ -24,7 +24,7 @@ def make_inputs(B, T, H, N, seed=0, dtype=torch.float64):
 
 def run_with_grads(backend, x, chunk_size, top_k):
     leaves = [t.clone().requires_grad_() for t in x]
-    y = moba(*leaves, chunk_size=chunk_size, top_k=top_k, backend=backend)
+    y, _ = moba(*leaves, chunk_size=chunk_size, top_k=top_k, backend=backend)
     cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(123), dtype=torch.float64).to(y.dtype)
     (y * cot).sum().backward()
     return y.detach(), [t.grad for t in leaves]
@@ -82,7 +82,7 @@ def test_only_selected_chunks_reach_a_query(backend):
     otherwise, and for any later key, the output stays bit-identical."""
     B, T, H, N, c, top_k = 1, 30, 2, 4, 5, 2
     q, k, v = make_inputs(B, T, H, N, seed=1)
-    y0 = moba(q, k, v, chunk_size=c, top_k=top_k, backend=backend)
+    y0, _ = moba(q, k, v, chunk_size=c, top_k=top_k, backend=backend)
     for t in (17, 29):  # chunks 3 and 5
         for h in range(H):
             scores = [q[0, t, h] @ k[0, j * c : (j + 1) * c, h].mean(dim=0) for j in range(t // c)]
@@ -91,14 +91,79 @@ def test_only_selected_chunks_reach_a_query(backend):
             for j in range(t // c):
                 v2 = v.clone()
                 v2[0, j * c : (j + 1) * c, h] += 10.0
-                y = moba(q, k, v2, chunk_size=c, top_k=top_k, backend=backend)
+                y, _ = moba(q, k, v2, chunk_size=c, top_k=top_k, backend=backend)
                 if not torch.equal(y[0, t, h], y0[0, t, h]):
                     reached.add(j)
             assert reached == selected, (t, h)
             v2 = v.clone()
             v2[0, t + 1 :, h] += 10.0  # the future
-            y = moba(q, k, v2, chunk_size=c, top_k=top_k, backend=backend)
+            y, _ = moba(q, k, v2, chunk_size=c, top_k=top_k, backend=backend)
             assert torch.equal(y[0, : t + 1, h], y0[0, : t + 1, h])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize(
+    "T,chunk_size,top_k,cuts",
+    [
+        (37, 8, 2, [13]),  # a piece ends inside a chunk: the next one's first chunk straddles it
+        (40, 8, 1, [8, 16, 33]),  # pieces that end on chunk boundaries, and not
+        (30, 4, 0, [1, 2, 3, 17]),  # one token at a time (generation), every earlier chunk
+        (25, 5, 3, [24]),
+    ],
+)
+def test_reading_in_pieces_with_the_state_equals_reading_whole(backend, T, chunk_size, top_k, cuts):
+    """The state is the keys and values read so far: each piece attends them by the same rule, so the
+    outputs and the gradients of every input equal one whole call's (fp64, to rounding)."""
+    x = [t.requires_grad_() for t in make_inputs(2, T, 2, 8, seed=3)]
+    y, (keys, values) = moba(*x, chunk_size=chunk_size, top_k=top_k, backend=backend)
+    cot = torch.randn(y.shape, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    want = torch.autograd.grad((y * cot).sum(), x)
+    assert keys is x[1] and values is x[2]  # no cache: the state is the keys and values themselves
+    pieces, state, lo = [], None, 0
+    for hi in [*cuts, T]:
+        part, state = moba(*(t[:, lo:hi] for t in x), state, chunk_size=chunk_size, top_k=top_k, backend=backend)
+        assert state[0].shape[1] == hi
+        pieces.append(part)
+        lo = hi
+    got = torch.autograd.grad((torch.cat(pieces, 1) * cot).sum(), x)
+    torch.testing.assert_close(torch.cat(pieces, 1), y, rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(state[0], x[1], rtol=0, atol=0)
+    for name, a, b in zip("qkv", got, want, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12, msg=f"d{name}")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_the_cache_is_attended_and_differentiated(backend):
+    """With a cache the new queries read it: perturbing a cached value changes the output, and the
+    cache gets the gradient the whole call gives those keys and values."""
+    q, k, v = make_inputs(1, 20, 2, 4, seed=5)
+    cache = [t[:, :12].clone().requires_grad_() for t in (k, v)]
+    y, _ = moba(q[:, 12:], k[:, 12:], v[:, 12:], tuple(cache), chunk_size=4, top_k=0, backend=backend)
+    y.sum().backward()
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    whole, _ = moba(*leaves, chunk_size=4, top_k=0, backend=backend)
+    whole[:, 12:].sum().backward()
+    torch.testing.assert_close(y, whole[:, 12:].detach(), rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(cache[0].grad, leaves[1].grad[:, :12], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(cache[1].grad, leaves[2].grad[:, :12], rtol=1e-10, atol=1e-12)
+    assert cache[1].grad.abs().min() > 0  # every cached value is read (top_k 0: all chunks)
+
+
+def test_bad_caches_raise_value_error():
+    q, k, v = make_inputs(1, 8, 2, 4)
+    kw = {"chunk_size": 4, "top_k": 1}
+    cases = [
+        (k, "a pair"),
+        ((k, v, v), "a pair"),
+        ((k[:, :3], v[:, :2]), "k_cache has shape"),
+        ((k[:, :3, :1], v[:, :3, :1]), r"must have shape \[1, P, 2, 4\]"),
+        ((k[0], v[0]), "must have shape"),
+        ((k.long(), v.long()), "floating-point"),
+        ((k, v.to("meta")), "is on meta"),
+    ]
+    for state, message in cases:
+        with pytest.raises(ValueError, match=message):
+            moba(q, k, v, state, **kw)
 
 
 class _LargestTensor(TorchDispatchMode):
@@ -125,7 +190,7 @@ def _memory(T, B=1, H=2, N=4, c=16, top_k=2, backend="sparse"):
         return t
 
     with _LargestTensor() as largest, torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
-        moba(q, k, v, chunk_size=c, top_k=top_k, backend=backend).sum().backward()
+        moba(q, k, v, chunk_size=c, top_k=top_k, backend=backend)[0].sum().backward()
     return max(saved), largest.numel
 
 
@@ -177,8 +242,8 @@ def test_single_step(backend):
 def test_low_precision_returns_input_dtype(backend, dtype):
     x = make_inputs(1, 24, 2, 8)
     x_low = [t.to(dtype) for t in x]
-    y = moba(*x_low, chunk_size=4, top_k=2, backend=backend)
-    y_ref = moba(*(t.double() for t in x_low), chunk_size=4, top_k=2, backend="reference")
+    y, _ = moba(*x_low, chunk_size=4, top_k=2, backend=backend)
+    y_ref, _ = moba(*(t.double() for t in x_low), chunk_size=4, top_k=2, backend="reference")
     assert y.dtype == dtype
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     torch.testing.assert_close(y.double(), y_ref, rtol=tol, atol=tol)
@@ -187,7 +252,7 @@ def test_low_precision_returns_input_dtype(backend, dtype):
 def test_auto_is_the_tiled_backend():
     assert SPEC.production_backends()[0].name == "tiled"
     x = make_inputs(1, 10, 1, 4)
-    assert torch.equal(moba(*x, chunk_size=3, top_k=1), moba(*x, chunk_size=3, top_k=1, backend="tiled"))
+    assert torch.equal(moba(*x, chunk_size=3, top_k=1)[0], moba(*x, chunk_size=3, top_k=1, backend="tiled")[0])
 
 
 def test_bad_arguments_raise_value_error():
@@ -218,7 +283,10 @@ def test_sampler_keeps_selections_away_from_ties():
     has every selection margin above its min_gap (seeds as run_gradcheck uses them)."""
     case = SPEC.fd_case
     c, top_k = case.options["chunk_size"], case.options["top_k"]
+    assert case.options["prefix"] > 0  # the cache is among the perturbed inputs
     for seed in range(20):
         x = SPEC.sample(case, torch.Generator().manual_seed(seed * 1000 + len(SPEC.cases)))
-        assert _gate_margin(x["q"].float(), x["k"].float(), c, top_k) > case.options["min_gap"]
-    assert math.isinf(_gate_margin(x["q"], x["k"], c, 0))
+        assert x["k_cache"].shape[1] == case.options["prefix"]
+        margin = _gate_margin(x["q"].float(), x["k"].float(), c, top_k, x["k_cache"].float())
+        assert margin > case.options["min_gap"]
+    assert math.isinf(_gate_margin(x["q"], x["k"], c, 0, x["k_cache"]))

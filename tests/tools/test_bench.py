@@ -117,6 +117,25 @@ def test_bench_model_memory_follows_grad_cp_and_the_head(tmp_path):
     assert figures["chunked"]["activation_mb"] < plain["activation_mb"] - 8
 
 
+def test_bench_model_vs_unchunked(tmp_path):
+    """Chunked BPTT's step against the same window unchunked, in one run: the chunked one keeps about
+    one chunk's activations (a quarter, with the head's and the gradients' share on top)."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 2, n_embd: 64, head_size: 32}\ntrain: {ctx_len: 1024, micro_batch: 1}\n")
+    path = tmp_path / "r.json"
+    args = ["bench", "--model", str(cfg), "--steps", "2", "--set", "train.chunk_len=256", "--vs-unchunked"]
+    result = runner.invoke(app, [*args, "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "chunked / unchunked step time" in result.stdout
+    r = json.loads(path.read_text())
+    assert r["chunk_len"] == 256 and r["chunked_over_unchunked"] > 0 and "interleaved" in r["timing"]
+    assert r["activation_mb"] < 0.5 * r["unchunked"]["activation_mb"]
+    assert r["unchunked"]["grads_mb"] == r["grads_mb"]
+    refused = runner.invoke(app, ["bench", "--model", str(cfg), "--steps", "1", "--vs-unchunked"])
+    assert refused.exit_code == 2 and "train.chunk_len (0) must be set" in refused.stderr
+    assert runner.invoke(app, ["bench", "--vs-unchunked"]).exit_code == 2
+
+
 def test_bench_set_needs_a_model():
     result = runner.invoke(app, ["bench", "--set", "train.grad_cp=true"])
     assert result.exit_code == 2 and "--set" in result.stderr

@@ -77,6 +77,31 @@ def test_gate_b_catches_planted_bugs(bug, column):
     assert failed == {column}
 
 
+def _moba_with_cache_bug():
+    """moba's tiled backend with the gradient of its cached values scaled by 1.01."""
+    spec = get_op("moba")
+    tiled = spec.backends["tiled"].fn
+
+    def fn(q, k, v, state, **kw):
+        return tiled(q, k, v, (state[0], _ScaleGrad.apply(state[1], 1.01)), **kw)
+
+    bk = Backend("buggy_cache", fn, "planted bug")
+    return replace(spec, backends={**spec.backends, bk.name: bk}), bk
+
+
+def test_both_gates_check_moba_s_cache():
+    """The cache is among the checked inputs: a wrong cache gradient fails gate A (on the cases with a
+    cache) and gate B; a case without one has no cache column (an empty tensor has no gradient)."""
+    spec, bk = _moba_with_cache_bug()
+    by_name = {case.name: case for case in spec.cases}
+    result = gate_a(spec, bk, by_name["cache"], seed=0)
+    assert {c.name for c in result.columns if not c.passed} == {"dv_cache"}
+    plain = gate_a(spec, bk, by_name["canonical"], seed=0)
+    assert plain.passed and "dv_cache" not in {c.name for c in plain.columns}
+    result = gate_b(spec, bk, spec.fd_case, seed=0)
+    assert {c.name for c in result.columns if not c.passed} == {"dv_cache"}
+
+
 def test_compare_metric():
     ref = torch.tensor([1.0, -2.0, 0.0], dtype=torch.float64)
     got = torch.tensor([1.002, -2.0, 5e-10], dtype=torch.float64)

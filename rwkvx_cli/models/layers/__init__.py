@@ -5,11 +5,12 @@ Every time mix maps [B, T, C] -> [B, T, C] behind the same interface, so one
 
 - `from_config(cfg, layer_id)`: build it from the model config;
 - `forward(x, v_first, state, graph=PLAIN) -> (y, v_first, state)`: `state` is a
-  dict of tensors, batch first (None for MoBA, which has none); `v_first` is
+  dict of tensors, batch first (MoBA's: tuples of key and value tensors, the tokens
+  read so far, whose kind sets `grows = True`: not carried across TBPTT steps); `v_first` is
   RWKV-7's first-layer value, passed through by the other kinds; `graph` the
   hooks (common.Graph) through which LRP reads the same forward as its modified
   graph: a kind whose forward calls none has no LRP rules (explain refuses it);
-- `empty_state(B, device)`: the zero state (None for MoBA);
+- `empty_state(B, device)`: the zero state (None for MoBA, whose state grows);
 - `reset_parameters(gen, layer, n_layer)`: its seeded init, at depth `layer` of
   `n_layer` (docs/model.md#initialisation);
 - `op_dims()`, for the recurrent ones: the op and its dims for one token (FLOP counts);

@@ -1,6 +1,14 @@
 """RWKV-X's MoBA sparse attention as a time mix: q (`receptance`), k, v and output
-projections around the `moba` op (docs/operators.md#moba); no positional encoding
-and no recurrent state, so a model with MoBA blocks re-reads its context."""
+projections around the `moba` op (docs/operators.md#moba); no positional encoding.
+
+Its state is the keys and values of the tokens read so far: a sequence read in pieces, each from
+the state the last one left (chunked BPTT, generation one token at a time), attends as it would
+read whole. Under autograd (chunked BPTT) the state holds one key and one value tensor per piece,
+so that each chunk boundary keeps only its own chunk's keys and values (a concatenation per
+boundary would keep the whole prefix again at every boundary); otherwise one tensor each, the
+whole prefix. The cache holds the keys and values in the activations' dtype, as the op reads them.
+The state grows with the tokens read, so it has no fixed-size zero state (`empty_state` is None)
+and truncated BPTT does not carry it across steps (`LM.carried`)."""
 
 from __future__ import annotations
 
@@ -14,6 +22,7 @@ from rwkvx_cli.ops.moba import moba
 
 class MobaAttention(nn.Module):
     letter = "A"  # its letter in the model summary's block string
+    grows = True  # its state grows with the tokens read (not carried across TBPTT steps)
 
     def __init__(self, C: int, head_size: int, chunk: int, top_k: int):
         super().__init__()
@@ -33,8 +42,14 @@ class MobaAttention(nn.Module):
     def forward(self, x, v_first, state=None, graph: Graph = PLAIN):
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.head_size) for p in (self.receptance, self.key, self.value))
-        y = moba(q, k, v, chunk_size=self.chunk, top_k=self.top_k)
-        return self.output(y.reshape(B, T, C)), v_first, None
+        k_parts, v_parts = (state["k"], state["v"]) if state and "k" in state else ((), ())
+        cache = (_joined(k_parts), _joined(v_parts)) if k_parts else None
+        y, (keys, values) = moba(q, k, v, cache, chunk_size=self.chunk, top_k=self.top_k)
+        if torch.is_grad_enabled():
+            new = {"k": (*k_parts, k), "v": (*v_parts, v)}
+        else:
+            new = {"k": (keys,), "v": (values,)}
+        return self.output(y.reshape(B, T, C)), v_first, new
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:
@@ -42,3 +57,7 @@ class MobaAttention(nn.Module):
         for p, gain in ((self.receptance, 1.0), (self.key, 0.1), (self.value, 1.0)):
             orthogonal_(p.weight, gain, gen)
         self.output.weight.zero_()
+
+
+def _joined(parts: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)

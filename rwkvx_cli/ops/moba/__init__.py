@@ -13,8 +13,17 @@ kept, and with `top_k >= T / c` the op is dense causal softmax attention.
 Softmax runs over the selected keys only; the others get weight exactly 0. The
 selection is a hard top-k: the backward treats it as fixed. Exact ties are
 broken by torch.topk (deterministic for a given input and device, but not
-promised to agree between backends). No positional encoding. The registry
-entry (backends, gradient-check sampler and cases) is spec.py.
+promised to agree between backends). No positional encoding.
+
+State: the keys and values of the P tokens read before, (k_cache, v_cache),
+each [B, P, H, N] (P >= 0; None: P = 0). The queries then sit at positions
+P .. P + T - 1 and attend keys 0 .. P + T - 1 by the same rule, so a sequence
+read in pieces, each from the state the last one returned, gives what reading
+it whole gives (chunked BPTT and incremental generation, models/layers/moba.py).
+The state out is the keys and values of all P + T tokens; the gradient reaches
+the cache as it reaches k and v. The gate's chunk means are recomputed from
+the cache at each call. The registry entry (backends, gradient-check sampler
+and cases) is spec.py.
 """
 
 from __future__ import annotations
@@ -25,18 +34,21 @@ from rwkvx_cli.ops._checks import check_same_layout
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("q", "k", "v")
+STATES = ("k_cache", "v_cache")
 
 
 def moba(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
+    state: tuple[torch.Tensor, torch.Tensor] | None = None,
     *,
     chunk_size: int,
     top_k: int,
     backend: str = "auto",
-) -> torch.Tensor:
-    """MoBA attention over [B, T, H, N] inputs; returns y [B, T, H, N] in the input dtype."""
+) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
+    """MoBA attention over [B, T, H, N] inputs after the cached keys and values `state`; returns
+    y [B, T, H, N] in the input dtype and the state after them (the keys and values of every token)."""
     check_same_layout(INPUTS, (q, k, v), ndim=4)
     if min(q.shape) < 1:
         raise ValueError(f"moba needs every dimension >= 1, got [B, T, H, N] = {list(q.shape)}")
@@ -44,5 +56,34 @@ def moba(
         raise ValueError(f"chunk_size must be an int >= 1, got {chunk_size!r}")
     if isinstance(top_k, bool) or not isinstance(top_k, int):
         raise ValueError(f"top_k must be an int, got {top_k!r}")
+    if state is None:
+        state = (k[:, :0], v[:, :0])
+    check_cache(state, q)
     bk = resolve_backend(get_op("moba"), backend, q.device)
-    return bk.fn(q, k, v, chunk_size=chunk_size, top_k=top_k)
+    return bk.fn(q, k, v, state, chunk_size=chunk_size, top_k=top_k)
+
+
+def check_cache(state, q: torch.Tensor) -> None:
+    """A (k_cache, v_cache) pair of [B, P, H, N] tensors, the batch, heads and device of `q`."""
+    if not isinstance(state, (tuple, list)) or len(state) != 2:
+        raise ValueError("the moba state must be a pair (k_cache, v_cache)")
+    B, _, H, N = q.shape
+    for name, t in zip(STATES, state, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4 or (t.shape[0], t.shape[2], t.shape[3]) != (B, H, N):
+            raise ValueError(f"{name} must have shape [{B}, P, {H}, {N}], got {tuple(t.shape)}")
+        if not t.is_floating_point():
+            raise ValueError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} is on {t.device} but the inputs are on {q.device}")
+    if state[0].shape != state[1].shape:
+        raise ValueError(f"k_cache has shape {tuple(state[0].shape)} but v_cache has {tuple(state[1].shape)}")
+
+
+def with_cache(k: torch.Tensor, v: torch.Tensor, state) -> tuple[torch.Tensor, torch.Tensor]:
+    """The keys and values of every token: the cache (in the inputs' dtype) followed by k and v."""
+    k_cache, v_cache = state
+    if k_cache.shape[1] == 0:
+        return k, v
+    return torch.cat([k_cache.to(k.dtype), k], dim=1), torch.cat([v_cache.to(v.dtype), v], dim=1)

@@ -13,7 +13,9 @@ weights are recomputed from them. Autograd through the gathers would instead
 save the gathered keys and values, T * slots * c * N per head, which exceeds
 the dense T x T scores whenever slots * c * N > T.
 
-Computes in fp32 (fp64 for fp64 inputs) and returns the input dtype.
+With cached keys and values (the state), only the query chunks that hold the new queries are
+computed; the keys are those of every token. Computes in fp32 (fp64 for fp64 inputs) and returns
+the input dtype.
 """
 
 from __future__ import annotations
@@ -24,38 +26,52 @@ import torch
 import torch.nn.functional as F
 from torch.autograd.function import once_differentiable
 
+from rwkvx_cli.ops.moba import with_cache
+
 # Elements of the largest per-block intermediate (the gathered keys) before the
 # query chunks are split into several blocks: 2^24 fp32 = 64 MiB.
 BLOCK_ELEMENTS = 1 << 24
 
 
 def to_chunks(q, k, v, chunk_size: int, top_k: int):
-    """[B, T, H, N] inputs -> [B*H, n_chunks, c, N] each, zero-padded to whole chunks,
-    in fp32 (fp64 for fp64 inputs); and the number of earlier-chunk slots per query."""
+    """q [B, T, H, N] at positions P .. P + T - 1 and the keys and values of all S = P + T tokens
+    [B, S, H, N] -> qc [B*H, nq, c, N] (the query chunks first .. last, q placed at offset
+    P - first * c of chunk `first` = P // c, zero-padded), kc, vc [B*H, n_chunks, c, N] (zero-padded
+    to whole chunks), in fp32 (fp64 for fp64 inputs); and `first`, the offset, and the number of
+    earlier-chunk slots per query."""
     B, T, H, N = q.shape
-    n_chunks = -(-T // chunk_size)
+    S = k.shape[1]
+    n_chunks = -(-S // chunk_size)
+    first = (S - T) // chunk_size
+    offset = S - T - first * chunk_size
+    nq = n_chunks - first
     # Every earlier chunk is complete, so at most n_chunks - 1 of them are candidates.
     slots = n_chunks - 1 if top_k <= 0 else min(top_k, n_chunks - 1)
     acc = torch.float64 if q.dtype == torch.float64 else torch.float32
-    pad = n_chunks * chunk_size - T
 
-    def chunks(x):
-        x = F.pad(x.to(acc).transpose(1, 2), (0, 0, 0, pad))
-        return x.reshape(B * H, n_chunks, chunk_size, N).contiguous()
+    def chunks(x, before, n):
+        x = F.pad(x.to(acc).transpose(1, 2), (0, 0, before, n * chunk_size - before - x.shape[1]))
+        return x.reshape(B * H, n, chunk_size, N).contiguous()
 
-    return chunks(q), chunks(k), chunks(v), slots
+    return chunks(q, offset, nq), chunks(k, 0, n_chunks), chunks(v, 0, n_chunks), first, offset, slots
 
 
-def moba_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, top_k: int) -> torch.Tensor:
+def from_chunks(y: torch.Tensor, q: torch.Tensor, offset: int) -> torch.Tensor:
+    """[B*H, nq, c, N] outputs of the query chunks -> [B, T, H, N] outputs of q, in q's dtype."""
+    B, T, H, N = q.shape
+    return y.reshape(B, H, -1, N)[:, :, offset : offset + T].transpose(1, 2).to(q.dtype)
+
+
+def moba_sparse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, *, chunk_size: int, top_k: int):
     B, T, H, N = q.shape
     c = chunk_size
-    qc, kc, vc, slots = to_chunks(q, k, v, c, top_k)
-    n_chunks = qc.shape[1]
+    keys, values = with_cache(k, v, state)
+    qc, kc, vc, first, offset, slots = to_chunks(q, keys, values, c, top_k)
+    n_chunks = kc.shape[1]
     # Largest per-block intermediates: the gathered keys and the gate scores.
     block = max(1, BLOCK_ELEMENTS // (B * H * c * ((slots + 1) * c * N + n_chunks)))
-    y = _MobaFunction.apply(qc, kc, vc, slots, block)
-    y = y.reshape(B, H, n_chunks * c, N)[:, :, :T].transpose(1, 2)
-    return y.to(q.dtype)
+    y = _MobaFunction.apply(qc, kc, vc, first, slots, block)
+    return from_chunks(y, q, offset), (keys, values)
 
 
 def _select(qb: torch.Tensor, kc: torch.Tensor, first: int, slots: int) -> torch.Tensor:
@@ -92,18 +108,21 @@ def _logits(qb, kb, k_sel, idx, scale):
 
 
 class _MobaFunction(torch.autograd.Function):
+    """qc: the query chunks first .. n_chunks - 1 [Z, nq, c, N]; kc, vc: every key chunk [Z, n_chunks, c, N]."""
+
     @staticmethod
-    def forward(ctx, qc, kc, vc, slots, block):
-        Z, n_chunks, c, N = qc.shape
+    def forward(ctx, qc, kc, vc, first, slots, block):
+        Z, nq, c, N = qc.shape
         scale = 1.0 / math.sqrt(N)
         y = torch.empty_like(qc)
-        lse = qc.new_empty(Z, n_chunks, c)
-        idx_all = torch.full((Z, n_chunks, c, slots), -1, dtype=torch.long, device=qc.device)
-        for first in range(0, n_chunks, block):
-            blk = slice(first, min(first + block, n_chunks))
-            qb, kb, vb = qc[:, blk], kc[:, blk], vc[:, blk]
-            if slots > 0 and first + qb.shape[1] > 1:
-                idx_all[:, blk] = _select(qb, kc, first, slots)
+        lse = qc.new_empty(Z, nq, c)
+        idx_all = torch.full((Z, nq, c, slots), -1, dtype=torch.long, device=qc.device)
+        for lo in range(0, nq, block):
+            blk = slice(lo, min(lo + block, nq))
+            own = slice(first + lo, first + blk.stop)  # the block's own key chunks
+            qb, kb, vb = qc[:, blk], kc[:, own], vc[:, own]
+            if slots > 0 and own.stop > 1:
+                idx_all[:, blk] = _select(qb, kc, own.start, slots)
             idx = idx_all[:, blk]
             logits = _logits(qb, kb, _gather(kc, idx), idx, scale)
             lse[:, blk] = torch.logsumexp(logits, dim=-1)
@@ -111,22 +130,24 @@ class _MobaFunction(torch.autograd.Function):
             p_sel = p[..., : slots * c].unflatten(-1, (slots, c))
             y[:, blk] = torch.einsum("zbqsi,zbqsin->zbqn", p_sel, _gather(vc, idx)) + p[..., slots * c :] @ vb
         ctx.save_for_backward(qc, kc, vc, idx_all, y, lse)
-        ctx.block = block
+        ctx.block, ctx.first = block, first
         return y
 
     @staticmethod
     @once_differentiable
     def backward(ctx, dy):
         qc, kc, vc, idx_all, y, lse = ctx.saved_tensors
-        Z, n_chunks, c, N = qc.shape
+        Z, nq, c, N = qc.shape
+        n_chunks, first = kc.shape[1], ctx.first
         slots = idx_all.shape[-1]
         scale = 1.0 / math.sqrt(N)
         dq, dk, dv = torch.zeros_like(qc), torch.zeros_like(kc), torch.zeros_like(vc)
         delta = (dy * y).sum(dim=-1)  # Σ_j p_j dp_j per query: the softmax backward's subtrahend
         z = torch.arange(Z, device=qc.device)[:, None, None, None]
-        for first in range(0, n_chunks, ctx.block):
-            blk = slice(first, min(first + ctx.block, n_chunks))
-            qb, kb, vb, dyb, idx = qc[:, blk], kc[:, blk], vc[:, blk], dy[:, blk], idx_all[:, blk]
+        for lo in range(0, nq, ctx.block):
+            blk = slice(lo, min(lo + ctx.block, nq))
+            own = slice(first + lo, first + blk.stop)
+            qb, kb, vb, dyb, idx = qc[:, blk], kc[:, own], vc[:, own], dy[:, blk], idx_all[:, blk]
             k_sel, v_sel = _gather(kc, idx), _gather(vc, idx)
             p = torch.exp(_logits(qb, kb, k_sel, idx, scale) - lse[:, blk, :, None])
             p_sel, p_own = p[..., : slots * c].unflatten(-1, (slots, c)), p[..., slots * c :]
@@ -135,10 +156,10 @@ class _MobaFunction(torch.autograd.Function):
             ds_sel = p_sel * (dp_sel - delta[:, blk, :, None, None]) * scale
             ds_own = p_own * (dp_own - delta[:, blk, :, None]) * scale
             dq[:, blk] = torch.einsum("zbqsi,zbqsin->zbqn", ds_sel, k_sel) + ds_own @ kb
-            dk[:, blk] += ds_own.transpose(-1, -2) @ qb
-            dv[:, blk] += p_own.transpose(-1, -2) @ dyb
+            dk[:, own] += ds_own.transpose(-1, -2) @ qb
+            dv[:, own] += p_own.transpose(-1, -2) @ dyb
             # Empty slots carry p = ds = 0, so adding them to chunk 0 is harmless.
             target = (z * n_chunks + idx.clamp(min=0)).reshape(-1)
             dk.view(-1, c, N).index_add_(0, target, torch.einsum("zbqsi,zbqn->zbqsin", ds_sel, qb).reshape(-1, c, N))
             dv.view(-1, c, N).index_add_(0, target, torch.einsum("zbqsi,zbqn->zbqsin", p_sel, dyb).reshape(-1, c, N))
-        return dq, dk, dv, None, None
+        return dq, dk, dv, None, None, None

@@ -8,7 +8,9 @@ that chunk's keys (the varlen layout of MoonshotAI's MoBA). Per pair we keep the
 partial log-sum-exp and output; each query merges its pairs with its own causal
 chunk by log-sum-exp. Autograd differentiates it all; what it saves is
 O(T * top_k * (c + N)) per head. The selection is `sparse`'s, computed for
-blocks of query chunks so its gate scores stay under SELECT_ELEMENTS.
+blocks of query chunks so its gate scores stay under SELECT_ELEMENTS. With cached
+keys and values (the state), only the query chunks holding the new queries are
+computed, against the keys of every token.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import math
 
 import torch
 
-from rwkvx_cli.ops.moba.sparse import _select, to_chunks
+from rwkvx_cli.ops.moba import with_cache
+from rwkvx_cli.ops.moba.sparse import _select, from_chunks, to_chunks
 
 TILE = 32
 SELECT_ELEMENTS = 1 << 22
@@ -40,17 +43,18 @@ def _pack(group: torch.Tensor, n_groups: int, tile: int):
     return tile_of, col_of, tile_group, int(tiles_per.sum())
 
 
-def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size: int, top_k: int) -> torch.Tensor:
+def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, *, chunk_size: int, top_k: int):
     B, T, H, N = q.shape
     c = chunk_size
-    qc, kc, vc, slots = to_chunks(q, k, v, c, top_k)
-    n_chunks = qc.shape[1]
-    Z, Tp = B * H, n_chunks * c
+    keys, values = with_cache(k, v, state)
+    qc, kc, vc, first, offset, slots = to_chunks(q, keys, values, c, top_k)
+    n_chunks, nq = kc.shape[1], qc.shape[1]
+    Z, Tq = B * H, nq * c
     scale = 1.0 / math.sqrt(N)
     causal = torch.ones(c, c, dtype=torch.bool, device=q.device).triu(1)
-    s_own = (qc @ kc.transpose(-1, -2) * scale).masked_fill(causal, -math.inf)
-    lse_own = torch.logsumexp(s_own, dim=-1).reshape(-1)  # [Z*Tp]
-    o_own = (torch.softmax(s_own, dim=-1) @ vc).reshape(-1, N)
+    s_own = (qc @ kc[:, first:].transpose(-1, -2) * scale).masked_fill(causal, -math.inf)
+    lse_own = torch.logsumexp(s_own, dim=-1).reshape(-1)  # [Z*Tq]
+    o_own = (torch.softmax(s_own, dim=-1) @ vc[:, first:]).reshape(-1, N)
     if slots == 0:
         y = o_own
     else:
@@ -59,9 +63,9 @@ def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size:
             # in T: select for blocks of query chunks so they never exceed SELECT_ELEMENTS.
             nb = max(1, SELECT_ELEMENTS // (Z * c * n_chunks))
             idx = torch.cat(
-                [_select(qc[:, f : f + nb].detach(), kc.detach(), f, slots) for f in range(0, n_chunks, nb)], dim=1
-            ).reshape(Z, Tp, slots)
-            query = torch.arange(Z * Tp, device=q.device).reshape(Z, Tp, 1).expand(Z, Tp, slots)
+                [_select(qc[:, f : f + nb].detach(), kc.detach(), first + f, slots) for f in range(0, nq, nb)], dim=1
+            ).reshape(Z, Tq, slots)
+            query = torch.arange(Z * Tq, device=q.device).reshape(Z, Tq, 1).expand(Z, Tq, slots)
             group = torch.arange(Z, device=q.device).reshape(Z, 1, 1) * n_chunks + idx
             keep = idx >= 0
             pair_query, pair_group = query[keep], group[keep]
@@ -81,5 +85,4 @@ def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, chunk_size:
         lse = m + torch.log(total)
         y = torch.exp(lse_own - lse)[:, None] * o_own
         y = y.index_add(0, pair_query, torch.exp(pair_lse - lse[pair_query])[:, None] * pair_out)
-    y = y.reshape(B, H, Tp, N)[:, :, :T].transpose(1, 2)
-    return y.to(q.dtype)
+    return from_chunks(y, q, offset), (keys, values)
