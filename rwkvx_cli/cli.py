@@ -235,7 +235,7 @@ ModelCfg = Annotated[Path | None, typer.Option("--model", help="Bench training s
 Steps = Annotated[int, typer.Option(min=1, help="Training steps to time with --model.")]
 Sets = Annotated[Names, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")]
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
-VsFull = Annotated[bool, typer.Option(help="With --model and train.chunk_len: also time the unchunked step.")]
+VsFull = Annotated[bool, typer.Option("--vs-unchunked", help="With train.chunk_len: also time the unchunked step.")]
 
 
 @app.command()

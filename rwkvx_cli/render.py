@@ -266,8 +266,8 @@ def _passkey_table(r: dict) -> Table:
     cells = {(c["length"], c["depth"]): c for c in r["cells"]}
     for d in r["depths"]:
         table.add_row(f"{d:g}", *(f"{cells[n, d]['correct']}/{r['trials']}" for n in r["lengths"]))
-    total = sum(c["correct"] for c in r["cells"])
-    table.add_row("all", f"{total}/{r['trials'] * len(r['cells'])}", *[""] * (len(r["lengths"]) - 1), style="bold")
+    per_length = [sum(cells[n, d]["correct"] for d in r["depths"]) for n in r["lengths"]]
+    table.add_row("all depths", *(f"{k}/{r['trials'] * len(r['depths'])}" for k in per_length), style="bold")
     return table
 
 
