@@ -43,7 +43,8 @@ class Start:
 def plan_start(cfg: Config) -> Start:
     """The model `cfg.train.init_from`'s weights make with `cfg`'s settings (reads names and shapes only)."""
     source, sizes = open_any(cfg.train.init_from)
-    source.close()
+    with source:
+        shapes = source.shapes()
     written = {k.split(".", 1)[1] for k in cfg.written if k.startswith("model.")}
     kinds = layer_kinds(cfg.model)
     upcycle = "moba" in kinds and sizes.n_attn == 0  # MoBA blocks only the config asks for
@@ -56,9 +57,7 @@ def plan_start(cfg: Config) -> Start:
     if upcycle:
         with torch.device("meta"):
             target = LM(model).state_dict()
-        src, _ = open_any(cfg.train.init_from)
-        with src:
-            plan = upcycle_plan(src.shapes(), target)
+        plan = upcycle_plan(shapes, target)
     return Start(cfg.train.init_from, model, sizes, plan)
 
 
