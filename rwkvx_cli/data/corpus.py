@@ -21,6 +21,8 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
+import orjson
+
 from rwkvx_cli.data.cuts import LINES_ONLY, MAX_PIECE_CHARS, PIECE_CHARS, CutRule, cut_text, split_pieces
 from rwkvx_cli.data.errors import DataError
 
@@ -201,6 +203,8 @@ def document_bytes(text, field: str) -> int:
     """The UTF-8 size of a record's text, or a ValueError saying why the record is bad."""
     if not isinstance(text, str):
         raise ValueError(f'expected a JSON object with a string "{field}" field')
+    if text.isascii():  # a flag of the string: no copy
+        return len(text)
     try:
         return len(text.encode("utf-8"))
     except UnicodeEncodeError as e:
@@ -242,11 +246,18 @@ def _jsonl_pieces(
 
 
 def record_field(line: bytes, field: str):
-    """The value of `field` in one JSONL record; ValueError saying what is wrong with the line."""
+    """The value of `field` in one JSONL record; ValueError saying what is wrong with the line.
+
+    orjson reads it (twice the speed of the json module on long strings); what orjson refuses but json takes (NaN,
+    a byte order mark, an unpaired surrogate escape, nesting past 1,024) is read by json, so the records accepted
+    and the message for a bad one are json's."""
     try:
-        obj = json.loads(line)
-    except ValueError as e:
-        raise ValueError(f"not valid JSON ({e})") from None
+        obj = orjson.loads(line)
+    except ValueError:
+        try:
+            obj = json.loads(line)
+        except ValueError as e:
+            raise ValueError(f"not valid JSON ({e})") from None
     if not isinstance(obj, dict):
         raise ValueError(f'expected a JSON object with a string "{field}" field')
     return obj.get(field)

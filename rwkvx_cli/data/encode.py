@@ -16,7 +16,7 @@ from __future__ import annotations
 import codecs
 import os
 import struct
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -26,6 +26,9 @@ from rwkvx_cli.data import corpus
 from rwkvx_cli.data.cuts import CutRule, cut_text
 from rwkvx_cli.data.errors import DataError
 
+# A JSONL or parquet document up to this many characters is one text for the tokenizer; a longer one is encoded in
+# pieces cut where the tokenizer's rule allows (the same ids), so one call's output stays bounded.
+WHOLE_CHARS = 1 << 20
 
 @dataclass(frozen=True)
 class EncoderSpec:
@@ -115,23 +118,22 @@ class Encoder:
         self.dtype = np.dtype(spec.dtype).newbyteorder("<")
         self._code = {"uint16": "H", "int32": "i"}[spec.dtype]
         self._packers: dict[int, struct.Struct] = {}
-        self.eod = np.array([spec.eod_id], dtype=self.dtype).tobytes()
         self._encode_many = self._encoder(spec, tokenizer)
 
-    def _encoder(self, spec: EncoderSpec, tokenizer):
-        """texts -> their packed ids, from `tokenizer` (the caller's, in its own process) or one built from spec."""
-        # Packing a list of ids with struct costs ~3 ns a token; numpy's or array's conversion of Python ints
-        # ~15 ns, a quarter of the World tokenizer's own time.
-        pack = self._pack
+    def _encoder(self, spec: EncoderSpec, tokenizer) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
+        """texts -> (their ids one after another in the output dtype, the id count of each text), from `tokenizer`
+        (the caller's, in its own process) or one built from spec."""
         if spec.kind == "byte":
-            return lambda texts: [(np.frombuffer(t.encode(), np.uint8).astype("<u2") + 1).tobytes() for t in texts]
+            return self._bytes
         if spec.kind == "world":
-            from rwkvx_cli.data.world import WorldTokenizer
+            from rwkvx_cli.data.world import WorldTokenizer, _NativeEngine
 
             tok = tokenizer if tokenizer is not None else WorldTokenizer(engine=spec.world_engine)
             engine = tok._engine
+            if isinstance(engine, _NativeEngine) and self.dtype == np.dtype("<u2"):
+                return engine.encode_packed  # straight into uint16
             one = engine.encode  # one text at a time: the Rust encode_batch spreads over every core
-            return lambda texts: [pack(one(t)) for t in texts]
+            return lambda texts: self._packed([one(t) for t in texts])
         from tokenizers import Tokenizer
 
         from rwkvx_cli.data.tokenizer import BPETokenizer, bound_runs
@@ -139,28 +141,37 @@ class Encoder:
         bpe = tokenizer if tokenizer is not None else BPETokenizer(Tokenizer.from_str(spec.tokenizer_json), spec.eod_id)
         encode = getattr(bpe._tok, "encode_batch_fast", bpe._tok.encode_batch)
 
-        def many(texts: list[str]) -> list[bytes]:
+        def many(texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
             parts, owner = [], []
             for k, t in enumerate(texts):
                 split = bound_runs(t)
                 parts += split
                 owner += [k] * len(split)
-            ids = [pack(e.ids) for e in encode(parts, add_special_tokens=False)]
+            ids, counts = self._packed([e.ids for e in encode(parts, add_special_tokens=False)])
             if len(parts) == len(texts):
-                return ids
-            out: list[list[bytes]] = [[] for _ in texts]
-            for k, a in zip(owner, ids, strict=True):
-                out[k].append(a)
-            return [b"".join(a) for a in out]
+                return ids, counts
+            return ids, np.bincount(np.asarray(owner, dtype=np.int64), weights=counts, minlength=len(texts)).astype(
+                np.int64
+            )
 
         return many
+
+    def _bytes(self, texts: list[str]) -> tuple[np.ndarray, np.ndarray]:
+        data = [t.encode("utf-8") for t in texts]
+        ids = np.frombuffer(b"".join(data), np.uint8).astype(self.dtype) + 1
+        return ids, np.fromiter(map(len, data), dtype=np.int64, count=len(data))
+
+    def _packed(self, lists: list[list[int]]) -> tuple[np.ndarray, np.ndarray]:
+        # Packing a list of ids with struct costs less than numpy's or array's conversion of Python ints.
+        packed = b"".join(map(self._pack, lists))
+        return np.frombuffer(packed, self.dtype), np.fromiter(map(len, lists), dtype=np.int64, count=len(lists))
 
     def _pack(self, ids: list[int]) -> bytes:
         n = len(ids)
         packer = self._packers.get(n)
         if packer is None:
             packer = struct.Struct(f"<{n}{self._code}")
-            if n <= 1 << 16:  # lengths repeat (pieces are at most PIECE_CHARS); struct's own cache holds 100
+            if n <= 1 << 16:  # lengths repeat; struct's own cache holds 100
                 self._packers[n] = packer
         try:
             return packer.pack(*ids)
@@ -190,46 +201,39 @@ class Encoder:
         return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)], [k for _, k in cuts] + ["end"]
 
     def _documents(self, docs: list[str], out: Encoded) -> None:
-        """Tokens of whole documents (each followed by the eod id) into `out`; a document without tokens is left out."""
-        pieces: list[str] = []
-        counts: list[int] = []  # pieces per document
-        kinds_of: dict[int, list[str]] = {}  # the cut kinds of the documents cut into pieces
-        limit = self.spec.piece_chars
+        """Tokens of whole documents (each followed by the eod id) into `out`; a document without tokens is left out.
+
+        A document is one text for the tokenizer, except the task's first non-empty one when it is longer than
+        piece_chars (its line cuts are where a corpus of that one document may be split) and any longer than
+        WHOLE_CHARS (the tokenizer's output for one text stays bounded): those are cut into pieces where the
+        tokenizer's rule allows (`cuts.py`), which encode as the whole document does."""
+        texts: list[str] = []
+        owner: list[int] = []  # the document of each text
+        first = next((k for k, t in enumerate(docs) if t), -1)
+        first_kinds: list[str] = []
+        first_at = 0
         for k, text in enumerate(docs):
-            if len(text) <= limit:
-                pieces.append(text)
-                counts.append(1)
-            else:
-                p, kinds = self._split(text)
-                pieces += p
-                counts.append(len(p))
-                kinds_of[k] = kinds
+            if len(text) > WHOLE_CHARS or (k == first and len(text) > self.spec.piece_chars):
+                pieces, kinds = self._split(text)
                 out.forced += kinds.count("forced")
-        packed = self._encode_many(pieces)
-        chunks, sizes, item, eod = [], [], self.dtype.itemsize, self.eod
-        at = 0
-        for k, count in enumerate(counts):
-            if count == 1:
-                b = packed[at]
-                n = len(b) // item
-                if n:
-                    chunks.append(b)
+                if k == first:
+                    first_kinds, first_at = kinds, len(texts)
+                texts += pieces
+                owner += [k] * len(pieces)
             else:
-                doc = packed[at : at + count]
-                n = sum(map(len, doc)) // item
-                if n and not sizes:  # the task's first document: where a lone document could be split
-                    pos = 0
-                    for b, kind in zip(doc, kinds_of[k], strict=True):
-                        pos += len(b) // item
-                        if kind == "line":
-                            out.cuts.append(pos)
-                chunks += doc
-            at += count
-            if n:
-                chunks.append(eod)
-                sizes.append(n + 1)
-        out.tokens = b"".join(chunks)
-        out.sizes = np.asarray(sizes, dtype="<i8").tobytes()
+                texts.append(text)
+                owner.append(k)
+        ids, counts = self._encode_many(texts)
+        if first_kinds:
+            ends = np.cumsum(counts[first_at : first_at + len(first_kinds)])
+            if ends[-1]:  # a document with tokens
+                out.cuts = [int(e) for e, kind in zip(ends, first_kinds, strict=True) if kind == "line"]
+        if len(texts) > len(docs):  # a document's count: the sum of its pieces'
+            counts = np.bincount(np.asarray(owner), weights=counts, minlength=len(docs)).astype(np.int64)
+        kept = counts > 0
+        tokens = np.insert(ids, np.cumsum(counts)[kept], np.array(self.spec.eod_id, dtype=self.dtype))
+        out.tokens = tokens.tobytes()
+        out.sizes = (counts[kept] + 1).astype("<i8").tobytes()
 
     def _record(self, out: Encoded, where: int, reason: str) -> bool:
         """A bad record: counted under skip_bad (True: go on), else the task's error (False: stop)."""
@@ -280,14 +284,11 @@ class Encoder:
         """Pieces of a text document: its tokens only (the reader's side adds the eod at the document's end)."""
         out = Encoded()
         out.text_bytes = sum(len(t.encode("utf-8")) for t in task.pieces)
-        packed = self._encode_many(task.pieces)
-        item, at = self.dtype.itemsize, 0
-        for b, kind in zip(packed, task.kinds, strict=True):
-            at += len(b) // item
-            if kind == "line":
-                out.cuts.append(at)
+        ids, counts = self._encode_many(task.pieces)
+        ends = np.cumsum(counts)
+        out.cuts = [int(e) for e, kind in zip(ends, task.kinds, strict=True) if kind == "line"]
         out.forced = task.kinds.count("forced")
-        out.tokens = b"".join(packed)
+        out.tokens = ids.tobytes()
         return out
 
 

@@ -1,15 +1,20 @@
-"""Worker processes that run `Encoder` tasks, results in task order, with a bounded number of tasks in flight.
+"""Worker processes that run `Encoder` tasks beside this process, results in task order, with a bounded number of
+tasks in flight.
 
-Task k goes to worker k % N, and each worker runs its tasks in the order received, so results come back in task order
-by reading the workers in turn: no reordering, and which worker finishes first does not matter. At most `depth` tasks
-wait per worker, so memory is bounded by N * depth tasks and their results, not by the corpus (a plain
-`multiprocessing.Pool.imap` reads its whole input ahead).
+Each task goes to the worker with the fewest in flight (at most `depth` each), and each worker runs its tasks in the
+order received, so results come back in task order by reading, for each task, the worker it went to: no reordering
+buffer, and which worker finishes first does not matter. When the result due next is not ready (the workers are
+starting, or busy), this process runs the next task itself (`local`) instead of waiting: with N - 1 workers, N
+processes tokenize and none waits for the workers to start. At most `depth` tasks wait per worker and as many run
+here ahead of their turn, so memory is bounded by the workers, not the corpus (a plain `multiprocessing.Pool.imap`
+reads its whole input ahead).
 
 Workers come from the forkserver (a fresh single-threaded process, not a fork of this one, whose other threads could
-hold locks: rich's refresh thread, the tokenizers' thread pools). They talk over plain pipes, one each way per
-worker; a thread in the worker receives tasks and another sends results, so neither side ever waits on the other's
-pipe. Each worker ignores SIGINT (this process stops them) and ends when this process ends: after a Ctrl-C, a
-SIGTERM or a kill -9 of it no worker is left running.
+hold locks: rich's refresh thread, the tokenizers' thread pools), started by a thread here, so that the forkserver's
+start (~0.3 s) is not spent waiting. They talk over plain pipes, one each way per worker; a thread in the worker
+receives tasks and another sends results, so neither side ever waits on the other's pipe. Each worker ignores SIGINT
+(this process stops them) and ends when this process ends: after a Ctrl-C, a SIGTERM or a kill -9 of it no worker is
+left running.
 """
 
 from __future__ import annotations
@@ -24,7 +29,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 
 from rwkvx_cli.data.errors import DataError
 
@@ -42,63 +47,103 @@ def worker_pool(n: int, spec, depth: int = 2) -> Iterator[WorkerPool]:
 
 class WorkerPool:
     def __init__(self, n: int, spec, depth: int = 2):
+        self.depth = depth
+        self._send, self._recv, self._procs = [], [], []
+        self._lock = threading.Lock()  # the three lists grow together in the starting thread
+        self._stopping = False
+        self._start_error: BaseException | None = None
+        self._starter = threading.Thread(target=self._start, args=(n, spec), name="start-workers", daemon=True)
+        self._starter.start()
+
+    def _start(self, n: int, spec) -> None:
         ctx = multiprocessing.get_context("forkserver")
         # The forkserver imports the encoder once; each worker is a fork of it (milliseconds, no re-import).
         ctx.set_forkserver_preload(["rwkvx_cli.data.encode"])
-        self.depth = depth
-        self._send, self._recv, self._procs = [], [], []
         try:
             with _main_not_imported():
                 for _ in range(n):
                     task_r, task_w = ctx.Pipe(duplex=False)
                     result_r, result_w = ctx.Pipe(duplex=False)
                     p = ctx.Process(target=_worker, args=(task_r, result_w, spec, os.getpid()), daemon=True)
+                    if self._stopping:  # kill() waits for this thread, then stops every worker started
+                        return
                     p.start()
+                    with self._lock:
+                        self._send.append(task_w)
+                        self._recv.append(result_r)
+                        self._procs.append(p)
                     task_r.close()  # the worker's ends: closed here, so that its death reads as EOF
                     result_w.close()
-                    self._send.append(task_w)
-                    self._recv.append(result_r)
-                    self._procs.append(p)
-        except BaseException:
-            self.kill()
-            raise
+        except BaseException as e:  # raised in the caller's thread by imap
+            self._start_error = e
 
-    def imap(self, items: Iterable[tuple]) -> Iterator[tuple]:
+    def _workers(self) -> int:
+        if self._start_error is not None:
+            raise self._start_error
+        with self._lock:
+            return len(self._procs)
+
+    def imap(self, items: Iterable[tuple], local: Callable | None = None) -> Iterator[tuple]:
         """(result, tag) for each (task, tag), in order. A `Local` task is not sent: it is its own result, in its
-        place; nothing after a ReadFailure is read."""
+        place; nothing after a ReadFailure is read. `local(task)` runs a task in this process, when the result due
+        next is not ready yet (without it, this process waits for the workers)."""
         from rwkvx_cli.data.encode import Local, ReadFailure
 
-        n = len(self._procs)
-        pending: deque = deque()  # (worker, None, tag), or (None, local task, tag)
+        pending: deque = deque()  # (worker, None, tag) for a task sent; (None, result, tag) for one known here
+        busy: list[int] = []  # tasks in flight per worker
         it = iter(items)
-        sent = in_flight = 0
         exhausted = False
+        held = 0  # results computed here ahead of their turn
+
+        def read() -> tuple | None:
+            nonlocal exhausted
+            item = None if exhausted else next(it, None)
+            if item is None or isinstance(item[0], ReadFailure):
+                exhausted = True
+            return item
+
+        def run_here(item: tuple) -> None:
+            nonlocal held
+            task, tag = item
+            if not isinstance(task, Local):
+                try:
+                    task = local(task)
+                except DataError as e:  # raised in its turn, as a worker's would be
+                    task = _Crash(str(e))
+                held += 1
+            pending.append((None, task, tag))
+
         while True:
-            while not exhausted and in_flight < n * self.depth:
-                item = next(it, None)
-                if item is None:
-                    exhausted = True
-                    break
+            busy += [0] * (self._workers() - len(busy))
+            while busy and min(busy) < self.depth and (item := read()) is not None:
                 task, tag = item
                 if isinstance(task, Local):
                     pending.append((None, task, tag))
-                    if isinstance(task, ReadFailure):
-                        exhausted = True
-                        break
                     continue
-                w = sent % n
+                w = busy.index(min(busy))
                 self._put(w, task)
+                busy[w] += 1
                 pending.append((w, None, tag))
-                sent += 1
-                in_flight += 1
+            due = pending[0][0] if pending else None
+            # Nothing due yet (no worker has started), or the result due is not ready: run the next task here.
+            idle = not pending or (due is not None and not self._recv[due].poll(0))
+            if idle and local is not None and held < self.depth * (len(busy) + 1) and (item := read()) is not None:
+                run_here(item)
+                continue
             if not pending:
-                return
-            w, local, tag = pending.popleft()
+                if exhausted:
+                    return
+                self._starter.join(0.05)  # no worker yet, and nothing to run here
+                continue
+            w, result, tag = pending.popleft()
             if w is None:
-                yield local, tag
+                held -= not isinstance(result, Local)
             else:
-                in_flight -= 1
-                yield self._get(w), tag
+                busy[w] -= 1
+                result = self._get(w)
+            if isinstance(result, _Crash):
+                raise DataError(result.message)
+            yield result, tag
 
     def _put(self, w: int, task) -> None:
         try:
@@ -108,12 +153,9 @@ class WorkerPool:
 
     def _get(self, w: int):
         try:
-            result = self._recv[w].recv()
+            return self._recv[w].recv()
         except (EOFError, ConnectionResetError):
             raise self._death(w) from None
-        if isinstance(result, _Crash):
-            raise DataError(result.message)
-        return result
 
     def _death(self, w: int) -> BaseException:
         """What to raise for a worker that ended without being told to."""
@@ -128,6 +170,7 @@ class WorkerPool:
 
     def close(self) -> None:
         """Stop the workers after their last task."""
+        self._starter.join()
         for conn in self._send:
             with contextlib.suppress(OSError):
                 conn.send(None)
@@ -137,6 +180,8 @@ class WorkerPool:
 
     def kill(self) -> None:
         """Stop every worker now (SIGKILL: they hold nothing that needs saving) and close the pipes."""
+        self._stopping = True  # no more starts
+        self._starter.join()
         for p in self._procs:
             if p.is_alive():
                 p.kill()

@@ -238,8 +238,6 @@ def prepare(
             t0 = time.perf_counter()
             tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
             n_workers = min(workers, max(1, math.ceil(tz.bytes_left / batch_bytes)))
-            if n_workers > 1 and hasattr(tok, "unload"):
-                tok.unload()  # the workers encode; this process's World engine would only hold memory
             tz.run(spec, n_workers, batch_bytes)
             tokenize_seconds = time.perf_counter() - t0
 
@@ -376,16 +374,16 @@ class _Tokenizing:
                 handles[name] = f
             self._report()
             items = self._items(spec, batch_bytes)
-            if n_workers <= 1:
-                with _one_core():
-                    encoder = Encoder(spec, self.tokenizer)
+            with _one_core():  # this process tokenizes too: one core
+                encoder = Encoder(spec, self.tokenizer)
+                if n_workers <= 1:
                     results = ((task if isinstance(task, Local) else encoder.run(task), tag) for task, tag in items)
                     self._consume(results, handles)
-            else:
-                from rwkvx_cli.data.pool import worker_pool
+                else:
+                    from rwkvx_cli.data.pool import worker_pool
 
-                with worker_pool(n_workers, spec) as pool:
-                    self._consume(pool.imap(items), handles)
+                    with worker_pool(n_workers - 1, spec) as pool:  # with this process, n_workers tokenize
+                        self._consume(pool.imap(items, local=encoder.run), handles)
         finally:
             for f in handles.values():
                 f.close()

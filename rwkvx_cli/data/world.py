@@ -1,9 +1,12 @@
 """The RWKV World tokenizer: vocab `rwkv_vocab_v20230424` (65536 ids), greedy longest match over a byte trie.
 
 Encoding is byte-identical to the reference `TRIE_TOKENIZER` of the `rwkv` package (tests/data/test_world.py checks
-it on mixed text). Two engines give the same ids:
+it on mixed text). Three engines give the same ids; the default is the first that works here:
 
-- `rust`: the `pyrwkv-tokenizer` package (Rust, multithreaded `encode_batch`), used when it is installed;
+- `native`: greedy longest match in C++ (`csrc/world.cpp`, compiled on first use and cached like the CPU kernels,
+  `rwkvx_cli/native.py`). It writes the ids of a whole batch of texts into one uint16 buffer: no Python int per
+  token, which is what `prepare` writes (docs/data.md has its speed against the others);
+- `rust`: the `pyrwkv-tokenizer` package (Rust, multithreaded `encode_batch`), when there is no C++ compiler;
 - `python`: a dict trie here. It cuts the text at boundaries that no vocab token crosses (see `_SEGMENT`) and caches
   the ids of each repeated segment (mostly words with their leading space), which makes it several times faster
   than walking the trie over every byte.
@@ -26,6 +29,7 @@ import functools
 import json
 import os
 import re
+import sys
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
@@ -39,7 +43,8 @@ VOCAB_NAME = "rwkv_vocab_v20230424"
 VOCAB_FILE = Path(__file__).with_name(VOCAB_NAME + ".txt")
 VOCAB_SIZE = 65536
 EOD_ID = 0
-ENGINES = ("rust", "python")
+ENGINES = ("native", "rust", "python")
+SOURCE = Path(__file__).with_name("csrc") / "world.cpp"
 
 # A boundary between a non-whitespace character and an ASCII whitespace character is crossed by no vocab token,
 # except `…\n`, `。\n` and `，\n` (tests/data/test_world.py checks this against the vocab). Greedy longest match
@@ -134,6 +139,55 @@ class _PythonEngine:
         return [self.encode(t) for t in texts]
 
 
+class _NativeEngine:
+    """The C++ encoder (csrc/world.cpp) over this vocabulary; NativeBuildError when it cannot be built here."""
+
+    def __init__(self, table: list[bytes]):
+        import ctypes
+
+        from rwkvx_cli import native
+
+        if sys.byteorder != "little":  # the ids are written as native uint16, read back as little-endian
+            raise native.NativeBuildError("the native World encoder writes little-endian ids")
+        lib = native.load_library(SOURCE, precision=None)
+        lib.rwkvx_world_new.restype = ctypes.c_void_p
+        lib.rwkvx_world_new.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64]
+        lib.rwkvx_world_free.argtypes = [ctypes.c_void_p]
+        lib.rwkvx_world_encode.restype = ctypes.c_int64
+        lib.rwkvx_world_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p] + [ctypes.c_void_p, ctypes.c_int64] + [
+            ctypes.c_void_p
+        ] * 2
+        offsets = np.cumsum([0, *map(len, table)], dtype=np.int64)
+        handle = lib.rwkvx_world_new(b"".join(table), offsets.ctypes.data, len(table))
+        if not handle:
+            raise DataError("the World vocab cannot be encoded by greedy longest match (a byte without a token?)")
+        self._lib, self._handle = lib, ctypes.c_void_p(handle)
+
+    def __del__(self) -> None:
+        if getattr(self, "_handle", None):
+            self._lib.rwkvx_world_free(self._handle)
+            self._handle = None
+
+    def encode_packed(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
+        """The ids of all `texts`, one after another (uint16), and the id count of each text."""
+        data = [t.encode("utf-8") for t in texts]
+        offsets = np.zeros(len(data) + 1, dtype=np.int64)
+        np.cumsum([len(b) for b in data], out=offsets[1:])
+        out = np.empty(int(offsets[-1]), dtype=np.uint16)  # a token is at least one byte
+        counts = np.empty(len(data), dtype=np.int64)
+        n = self._lib.rwkvx_world_encode(
+            self._handle, b"".join(data), offsets.ctypes.data, len(data), out.ctypes.data, counts.ctypes.data
+        )
+        return out[:n], counts
+
+    def encode(self, text: str) -> list[int]:
+        return self.encode_packed([text])[0].tolist()
+
+    def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+        ids, counts = self.encode_packed(texts)
+        return [a.tolist() for a in np.split(ids, np.cumsum(counts)[:-1])] if len(texts) else []
+
+
 class _RustEngine:
     def __init__(self, vocab_path: Path):
         import pyrwkv_tokenizer
@@ -157,7 +211,8 @@ def rust_available() -> bool:
 
 
 class WorldTokenizer:
-    """The RWKV World tokenizer (id 0 = end of document). `engine`: "rust", "python" or None (rust if installed)."""
+    """The RWKV World tokenizer (id 0 = end of document). `engine`: "native", "rust", "python" or None (the first of
+    those that works here, decided on the first encode)."""
 
     kind = "world"
     vocab_size = VOCAB_SIZE
@@ -165,9 +220,7 @@ class WorldTokenizer:
     vocab_name = VOCAB_NAME
 
     def __init__(self, engine: str | None = None):
-        if engine is None:
-            engine = "rust" if rust_available() else "python"
-        if engine not in ENGINES:
+        if engine is not None and engine not in ENGINES:
             raise UsageError(f"unknown World tokenizer engine {engine!r} (rust or python)")
         if engine == "rust" and not rust_available():
             raise UsageError("the rust World tokenizer needs pyrwkv-tokenizer: pip install pyrwkv-tokenizer")
@@ -184,20 +237,30 @@ class WorldTokenizer:
         return self._table
 
     @property
-    def _engine(self) -> _RustEngine | _PythonEngine:
+    def _engine(self) -> _NativeEngine | _RustEngine | _PythonEngine:
         if self._impl is None:
-            self._impl = _RustEngine(VOCAB_FILE) if self.engine == "rust" else _PythonEngine(self.table)
+            if self.engine is None:  # the first that works: native needs a C++ compiler, rust its package
+                from rwkvx_cli.native import NativeBuildError
+
+                try:
+                    self._impl, self.engine = _NativeEngine(self.table), "native"
+                except NativeBuildError:
+                    self.engine = "rust" if rust_available() else "python"
+            if self._impl is None:
+                self._impl = {"native": _NativeEngine, "rust": _RustEngine, "python": _PythonEngine}[self.engine](
+                    VOCAB_FILE if self.engine == "rust" else self.table
+                )
         return self._impl
 
     def encode(self, text: str) -> list[int]:
         return self._engine.encode(text)
 
-    def unload(self) -> None:
-        """Free the encoding engine (the Rust one holds ~240 MB); the next encode builds it again."""
-        self._impl = None
-
     def encode_arrays(self, texts: Sequence[str]) -> list[np.ndarray]:
-        return [np.asarray(ids, dtype=np.int64) for ids in self._engine.encode_batch(texts)]
+        engine = self._engine
+        if isinstance(engine, _NativeEngine):
+            ids, counts = engine.encode_packed(texts)
+            return np.split(ids.astype(np.int64), np.cumsum(counts)[:-1]) if len(texts) else []
+        return [np.asarray(ids, dtype=np.int64) for ids in engine.encode_batch(texts)]
 
     def decode_bytes(self, ids: Iterable[int]) -> bytes:
         arr = ids if isinstance(ids, np.ndarray) else np.asarray(list(ids), dtype=np.int64)

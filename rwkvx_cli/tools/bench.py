@@ -15,8 +15,8 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.native import NativeBuildError, cpu_isa
 from rwkvx_cli.ops import get_op, op_names
-from rwkvx_cli.ops._native import NativeBuildError, cpu_isa
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
 from rwkvx_cli.runs.memory import check_op_shape
 from rwkvx_cli.runs.runtime import matmul_peak_gflops, timed
@@ -52,7 +52,7 @@ class BenchReport:
     threads: int
     matmul_gflops: float
     rows: list[BenchRow] = field(default_factory=list)
-    # The instruction set the fused CPU kernels are built for (ops/_native.py), on CPU
+    # The instruction set the fused CPU kernels are built for (native.py), on CPU
     # runs; None where no build can run (a forced RWKVX_CPU_ISA this CPU lacks).
     cpu_isa: str | None = None
 

@@ -7,7 +7,8 @@ The corpus is JSONL of Shakespeare-derived documents (`data/tinyshakespeare.txt`
 consecutive lines of log-normal length (median 2,500 characters, capped at 200,000), as verse (its own line
 breaks) or as prose (each speech one paragraph, speeches one per line, as in web text). For each tokenizer (`bpe`:
 byte-level BPE of 8,192 ids trained on the source text) it measures, in this run, the tokenizer alone on one core
-(documents encoded one at a time, JSON parsing not timed; for BPE also in batches, the faster counts), then
+(documents encoded one at a time, JSON parsing not timed; for BPE and the native World engine also in batches of
+a thousand, the faster counts; for World also each other engine that runs here: `rust`, pyrwkv-tokenizer), then
 `prepare` with each worker count, and reports MB/s of document text (over the whole tokenizing phase, and "steady":
 from the first task's result to the last, without the workers' start-up), tokens/s and the ratios: workers 1
 against the tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as
@@ -19,6 +20,7 @@ shared machine's other users skew it. Prints a table and, with --json, writes ev
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -74,31 +76,43 @@ def _batches(path: Path, n: int = 1000):
 
 
 def tokenizer_alone(kind: str, tokenizer, corpus: Path) -> dict:
-    """The tokenizer on one core, documents one at a time (and for BPE in batches): text MB/s, tokens/s."""
+    """The tokenizer on one core, documents one at a time (and in batches where it has a batch call that stays on
+    one core: BPE, the native World engine; the faster counts): text MB/s, tokens/s."""
     load_before = _load()
     seconds, tokens, text_bytes = {"one": 0.0, "batch": 0.0}, 0, 0
     previous = os.environ.get("TOKENIZERS_PARALLELISM")
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core
+    batch = None
     try:
-        if kind == "world":
-            one = tokenizer._engine.encode
-        elif kind == "byte":
+        if kind == "byte":
             def one(t):
                 return np.frombuffer(t.encode("utf-8"), np.uint8).astype(np.uint16) + 1
-        else:
+        elif kind == "bpe":
             hf = tokenizer._tok
 
             def one(t):
                 return hf.encode(t, add_special_tokens=False).ids
+
+            def batch(docs):
+                hf.encode_batch_fast(docs, add_special_tokens=False)
+        elif hasattr(tokenizer._engine, "encode_packed"):  # the native World engine: ids straight to uint16
+            packed = tokenizer._engine.encode_packed
+
+            def one(t):
+                return packed([t])[0]
+
+            batch = packed
+        else:
+            one = tokenizer._engine.encode
         for docs in _batches(corpus):
             text_bytes += sum(len(t.encode("utf-8")) for t in docs)
             t0 = time.perf_counter()
             for t in docs:
                 tokens += len(one(t))
             seconds["one"] += time.perf_counter() - t0
-            if kind == "bpe":
+            if batch is not None:
                 t0 = time.perf_counter()
-                hf.encode_batch_fast(docs, add_special_tokens=False)
+                batch(docs)
                 seconds["batch"] += time.perf_counter() - t0
     finally:
         if previous is None:
@@ -107,6 +121,7 @@ def tokenizer_alone(kind: str, tokenizer, corpus: Path) -> dict:
             os.environ["TOKENIZERS_PARALLELISM"] = previous
     best = min(s for s in seconds.values() if s > 0)
     out = {
+        "engine": getattr(tokenizer, "engine", None),
         "text_mb_per_s": text_bytes / 1e6 / best,
         "tokens_per_s": tokens / best,
         "seconds": best,
@@ -115,7 +130,7 @@ def tokenizer_alone(kind: str, tokenizer, corpus: Path) -> dict:
         "load_before": load_before,
         "load_after": _load(),
     }
-    if kind == "bpe":
+    if batch is not None:
         out["one_at_a_time_mb_per_s"] = text_bytes / 1e6 / seconds["one"]
         out["batched_mb_per_s"] = text_bytes / 1e6 / seconds["batch"]
     return out
@@ -269,6 +284,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--source", type=Path, default=SOURCE, help="the text the documents are drawn from")
     args = ap.parse_args(argv)
     from rwkvx_cli.data.tokenizer import BPETokenizer, load_tokenizer
+    from rwkvx_cli.data.world import WorldTokenizer
 
     work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-prepare-"))
     work.mkdir(parents=True, exist_ok=True)
@@ -289,11 +305,21 @@ def main(argv: list[str] | None = None) -> int:
                 tok, name = load_tokenizer(kind), kind
                 tok.encode_arrays(["warm"])
             entry = {"alone": tokenizer_alone(kind, tok, corpus), "prepare": {}}
+            if kind == "world":  # every other World engine that runs here, alone, for comparison
+                entry["other_engines"] = {}
+                for engine in ("native", "rust"):
+                    if engine != tok.engine:
+                        with contextlib.suppress(Exception):  # not installed, no compiler
+                            other = WorldTokenizer(engine)
+                            other.encode_arrays(["warm"])
+                            entry["other_engines"][engine] = tokenizer_alone(kind, other, corpus)
             for n in (int(w) for w in args.workers.split(",")):
                 entry["prepare"][str(n)] = prepare_run(corpus, work / f"out-{kind}-{n}", name, n)
             runs = entry["prepare"]
             if "1" in runs:
                 entry["workers_1_vs_alone"] = runs["1"]["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
+                for engine, alone in entry.get("other_engines", {}).items():
+                    entry[f"workers_1_vs_{engine}_alone"] = runs["1"]["text_mb_per_s"] / alone["text_mb_per_s"]
                 for n, r in runs.items():
                     if n != "1":
                         entry[f"workers_{n}_vs_1"] = r["text_mb_per_s"] / runs["1"]["text_mb_per_s"]
@@ -314,9 +340,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _print_entry(kind: str, e: dict) -> None:
-    a = e["alone"]
-    print(f"{kind}: tokenizer alone {a['text_mb_per_s']:.1f} MB/s, {a['tokens_per_s'] / 1e6:.2f}M tokens/s "
-          f"(load {a['load_before']} -> {a['load_after']})")
+    for engine, a in [(e["alone"].get("engine"), e["alone"]), *e.get("other_engines", {}).items()]:
+        name = f"{kind} ({engine})" if engine else kind
+        print(f"{name}: tokenizer alone {a['text_mb_per_s']:.1f} MB/s, {a['tokens_per_s'] / 1e6:.2f}M tokens/s "
+              f"(load {a['load_before']} -> {a['load_after']})")
     for n, r in e["prepare"].items():
         mem = r.get("peak_rss_anon_mb")
         extra = f", peak RssAnon main {mem['main']:.0f} MB, worker {mem['largest_worker']:.0f} MB" if mem else ""

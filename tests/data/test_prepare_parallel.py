@@ -93,7 +93,7 @@ def test_same_bytes_as_before_and_for_every_number_of_workers(tmp_path, kind):
 def test_single_document_same_bytes_as_before(tmp_path, kind):
     stats = prepare([SHAKESPEARE], tmp_path / "w1", kind)
     assert stats.split == "line" and _digest(tmp_path / "w1") == GOLDEN[f"shakespeare-{kind}"]
-    prepare([SHAKESPEARE], tmp_path / "w2", kind, workers=2, batch_bytes=50_000)  # the pieces go to two workers
+    prepare([SHAKESPEARE], tmp_path / "w2", kind, workers=2, batch_bytes=50_000)  # the pieces: here and to a worker
     _same_files(tmp_path / "w1", tmp_path / "w2")
 
 
@@ -257,8 +257,9 @@ def _gone(pids: set[int], timeout: float = 10.0) -> bool:
     return False
 
 
-def _wait_for_units(out: Path, proc: subprocess.Popen, units: int) -> set[int]:
-    """Wait until the prepare in `proc` has finished `units` units; returns its processes then."""
+def _wait_for_units(out: Path, proc: subprocess.Popen, units: int, processes: int) -> set[int]:
+    """Wait until the prepare in `proc` has finished `units` units and has `processes` descendants (they start while
+    it tokenizes); returns those processes."""
     end = time.monotonic() + 60
     while time.monotonic() < end:
         assert proc.poll() is None, proc.communicate()
@@ -266,8 +267,8 @@ def _wait_for_units(out: Path, proc: subprocess.Popen, units: int) -> set[int]:
             state = json.loads((out / ".prepare" / "state.json").read_text())
         except (OSError, ValueError):
             state = {}
-        if state.get("units_done", 0) >= units:
-            return _descendants(proc.pid)
+        if state.get("units_done", 0) >= units and len(found := _descendants(proc.pid)) >= processes:
+            return found
         time.sleep(0.005)
     raise AssertionError("the prepare did not get going")
 
@@ -292,12 +293,11 @@ def test_kill_9_then_resume_gives_the_same_bytes(tmp_path, slow_corpus):
     prepare([corpus], tmp_path / "ref", tok, **options)
     code = (
         "import sys; from rwkvx_cli.data import prepare; "
-        f"prepare([sys.argv[1]], sys.argv[2], sys.argv[3], workers=2, **{options!r})"
+        f"prepare([sys.argv[1]], sys.argv[2], sys.argv[3], workers=3, **{options!r})"
     )
     out = tmp_path / "out"
     proc = subprocess.Popen([sys.executable, "-c", code, str(corpus), str(out), str(tok)], env=_env())
-    procs = _wait_for_units(out, proc, 3)
-    assert len(procs) >= 3  # the forkserver and two workers
+    procs = _wait_for_units(out, proc, 3, 3)  # the forkserver and two workers (with this process, three tokenize)
     proc.kill()
     proc.wait()
     assert _gone(procs)  # no worker outlives a kill -9 of its prepare
@@ -333,12 +333,12 @@ def test_ctrl_c_or_sigterm_stops_every_worker_and_resume_finishes(tmp_path, slow
     args = [sys.executable, "-m", "rwkvx_cli", "data", "prepare", str(corpus), "--out", str(out)]
     args += ["--tokenizer", str(tok)]
     proc = subprocess.Popen(
-        [*args, "--workers", "2"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+        [*args, "--workers", "3"], env=_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
         start_new_session=True,
     )
     procs: set[int] = set()
     end = time.monotonic() + 60
-    while len(procs) < 3 and time.monotonic() < end and proc.poll() is None:  # the forkserver and two workers
+    while len(procs) < 3 and time.monotonic() < end and proc.poll() is None:  # the forkserver, two workers
         procs = _descendants(proc.pid)
         time.sleep(0.01)
     if sig == signal.SIGINT:

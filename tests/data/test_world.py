@@ -10,14 +10,27 @@ import pytest
 
 from rwkvx_cli.data import BinIdx, DataError, WorldTokenizer, load_tokenizer, prepare
 from rwkvx_cli.data.corpus import split_pieces
-from rwkvx_cli.data.world import VOCAB_FILE, read_vocab, rust_available
+from rwkvx_cli.data.world import VOCAB_FILE, _NativeEngine, read_vocab, rust_available
+from rwkvx_cli.native import NativeBuildError
 from rwkvx_cli.errors import UsageError
 
 rwkv = pytest.importorskip("rwkv")
 from rwkv.rwkv_tokenizer import TRIE_TOKENIZER  # noqa: E402
 
 REF_VOCAB = os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt")
-ENGINES = ["python", pytest.param("rust", marks=pytest.mark.skipif(not rust_available(), reason="no pyrwkv-tokenizer"))]
+def _native_builds() -> bool:
+    try:
+        _NativeEngine(read_vocab(VOCAB_FILE))
+    except NativeBuildError:
+        return False
+    return True
+
+
+ENGINES = [
+    "python",
+    pytest.param("rust", marks=pytest.mark.skipif(not rust_available(), reason="no pyrwkv-tokenizer")),
+    pytest.param("native", marks=pytest.mark.skipif(not _native_builds(), reason="no C++ compiler")),
+]
 
 
 @pytest.fixture(scope="module")
@@ -145,12 +158,38 @@ def test_save_load_and_prepare(tmp_path, ref):
 
 
 def test_engine_choice(monkeypatch):
+    """native where it compiles, else rust where installed, else python; an engine asked for by name or not at all."""
     import rwkvx_cli.data.world as world
 
+    if _native_builds():
+        tok = WorldTokenizer()
+        assert tok.encode("hello world") == [34550, 40213] and tok.engine == "native"
+
+    def no_compiler(table):
+        raise NativeBuildError("no C++ compiler found")
+
+    monkeypatch.setattr(world, "_NativeEngine", no_compiler)
+    if rust_available():
+        tok = WorldTokenizer()
+        assert tok.encode("hello world") == [34550, 40213] and tok.engine == "rust"
     monkeypatch.setattr(world, "rust_available", lambda: False)
     tok = WorldTokenizer()
-    assert tok.engine == "python" and tok.encode("hello world") == [34550, 40213]
+    assert tok.encode("hello world") == [34550, 40213] and tok.engine == "python"
     with pytest.raises(UsageError, match="pip install pyrwkv-tokenizer"):
         WorldTokenizer("rust")
     with pytest.raises(UsageError, match="unknown World tokenizer engine 'c'"):
         WorldTokenizer("c")
+
+
+@pytest.mark.skipif(not _native_builds(), reason="no C++ compiler")
+def test_native_refuses_a_vocab_greedy_match_cannot_use():
+    table = read_vocab(VOCAB_FILE)
+    missing = [t if t != b"\xff" else b"" for t in table]  # a byte no token starts with a match for
+    with pytest.raises(DataError, match="cannot be encoded by greedy longest match"):
+        _NativeEngine(missing)
+    with pytest.raises(DataError, match="cannot be encoded by greedy longest match"):
+        _NativeEngine([*table, table[300]])  # one token under two ids
+    engine = _NativeEngine(table)
+    ids, counts = engine.encode_packed(["", "a", "hello world", "\U0010ffff"])
+    assert counts.tolist() == [0, 1, 2, 4] and ids.tolist() == [98, 34550, 40213, 245, 144, 192, 192]
+    assert engine.encode_packed([])[0].size == 0 and engine.encode_batch([]) == []

@@ -1,5 +1,5 @@
 """Every op's `cpu` backend in each build of the native kernels this CPU can run
-(RWKVX_CPU_ISA, ops/_native.py): both gradient-check gates, and the model's head size,
+(RWKVX_CPU_ISA, native.py): both gradient-check gates, and the model's head size,
 whose compile-time vector paths the gates' small cases do not all reach. Plus the
 refusal of a build the CPU cannot run, and the cache key's dependence on csrc/simd.h."""
 
@@ -14,13 +14,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli import native as _native
 from rwkvx_cli.cli import app
-from rwkvx_cli.ops import _native, get_op, op_names
+from rwkvx_cli.ops import get_op, op_names
 from rwkvx_cli.ops.registry import Case
 from rwkvx_cli.tools.gradcheck import gate_a, run_gradcheck
 
 CPU_OPS = [op for op in op_names() if "cpu" in get_op(op).backends]  # wkv7, wkv4, rwkv8, gdn, kda
-SOURCES = sorted((Path(_native.__file__).parent).glob("*/csrc/*.cpp"))
+SOURCES = sorted((_native.HEADER_DIR.parent).glob("*/csrc/*.cpp"))
 
 
 def _cpu_flags() -> set[str]:

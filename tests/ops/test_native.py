@@ -6,7 +6,8 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rwkvx_cli.ops import _native, get_op, registry
+from rwkvx_cli import native as _native
+from rwkvx_cli.ops import get_op, registry
 from rwkvx_cli.ops.registry import resolve_backend
 
 

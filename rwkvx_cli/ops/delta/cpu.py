@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
 
 SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a core's L2
 SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"

@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "rwkv8_cpu.cpp"

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.ops import _native
+from rwkvx_cli import native as _native
 from rwkvx_cli.ops.delta import cpu as delta_cpu
 from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
 from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu

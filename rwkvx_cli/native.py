@@ -1,5 +1,6 @@
-"""Compile a C++ kernel file into a shared library once per CPU ISA and precision, cache it,
-load it with ctypes.
+"""Compile a C++ file into a shared library once per CPU ISA and precision, cache it, load it
+with ctypes: the fused CPU kernels (ops/*/csrc) and the World tokenizer (data/csrc). Importing
+this module does not import torch (tokenizer workers load it).
 
 Plain C ABI, no torch headers. One library per precision (fp32 or fp64 entry points), so
 that the first fp32 use, training's, compiles only the fp32 code: 1-6 s per kernel with g++
@@ -27,14 +28,17 @@ import subprocess
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-import torch
+if TYPE_CHECKING:
+    import torch
+
 
 ENV = "RWKVX_CPU_ISA"
 ISAS = ("avx512", "avx2", "generic")  # best first
 PRECISIONS = {"f32": "-DRWKVX_FP32", "f64": "-DRWKVX_FP64"}  # which entry points a library exports
 BASE_FLAGS = ("-O3", "-fopenmp", "-shared", "-fPIC", "-std=c++17")
-HEADER_DIR = Path(__file__).parent / "csrc"  # simd.h: part of every build's cache key
+HEADER_DIR = Path(__file__).parent / "ops" / "csrc"  # simd.h: part of every build's cache key
 
 # The x86-64-v3 and -v4 instruction sets, spelled as feature flags (GCC < 11 has no
 # -march=x86-64-v3), and the /proc/cpuinfo flags a CPU needs to run each build.
@@ -64,6 +68,8 @@ def supported_isas() -> tuple[str, ...]:
     except OSError:
         pass
     if flags is None:  # no /proc (macOS, Windows): torch's own dispatch knows the CPU
+        import torch
+
         capability = torch.backends.cpu.get_cpu_capability().lower()
         best = "avx512" if capability.startswith("avx512") else "avx2" if capability == "avx2" else "generic"
         return ISAS[ISAS.index(best) :]
@@ -84,12 +90,13 @@ def cpu_isa() -> str:
     return forced
 
 
-_LOADED: dict[tuple[Path, str, str], ctypes.CDLL | NativeBuildError] = {}
+_LOADED: dict[tuple[Path, str, str | None], ctypes.CDLL | NativeBuildError] = {}
 
 
-def load_library(source: Path, precision: str = "f32") -> ctypes.CDLL:
-    """The library of `source`'s `precision` ("f32" or "f64") entry points, compiled for
-    cpu_isa(); a failure is remembered, so it costs one attempt per process."""
+def load_library(source: Path, precision: str | None = "f32") -> ctypes.CDLL:
+    """The library of `source`'s `precision` ("f32" or "f64") entry points, or of a source without
+    precisions (None), compiled for cpu_isa(); a failure is remembered, so it costs one attempt per
+    process."""
     source = Path(source)
     isa = cpu_isa()
     key = (source, isa, precision)
@@ -115,13 +122,13 @@ def _flags(isa: str, precision: str | None) -> tuple[str, ...]:
     return (*BASE_FLAGS, *ISA_FLAGS[isa], *([PRECISIONS[precision]] if precision else []))
 
 
-def build_path(source: Path, isa: str, compiler: str, precision: str = "f32") -> Path:
+def build_path(source: Path, isa: str, compiler: str, precision: str | None = "f32") -> Path:
     """Where the library for (source, isa, precision) is cached: named by a hash of everything the build reads."""
     parts = [Path(source).read_bytes(), *(h.read_bytes() for h in sorted(HEADER_DIR.glob("*.h")))]
     flags = _flags(isa, precision)
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), compiler.encode()]))
     cache_dir = Path(os.environ.get("RWKVX_CACHE", Path.home() / ".cache" / "rwkvx")) / "native"
-    return cache_dir / f"{Path(source).stem}-{isa}-{precision}-{key.hexdigest()[:16]}.so"
+    return cache_dir / f"{Path(source).stem}-{isa}-{precision or 'all'}-{key.hexdigest()[:16]}.so"
 
 
 def compile_library(
@@ -149,7 +156,7 @@ def compile_library(
             os.unlink(tmp)
 
 
-def _build_and_load(source: Path, isa: str, precision: str) -> ctypes.CDLL:
+def _build_and_load(source: Path, isa: str, precision: str | None) -> ctypes.CDLL:
     compiler = _compiler()
     target = build_path(source, isa, compiler, precision)
     if not target.exists():
@@ -180,6 +187,8 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
 def kernel_entry(library: Callable[[str], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
     """The fp32 or fp64 entry point `name` of an op's kernel library (`library(precision)`, the
     op's own loader), for `x`'s dtype: the kernels take nothing else."""
+    import torch
+
     if x.dtype not in (torch.float32, torch.float64):
         raise ValueError(f"the {op} cpu kernel takes float32 or float64 tensors, got {x.dtype}")
     precision = "f64" if x.dtype == torch.float64 else "f32"
