@@ -1,7 +1,7 @@
 """Benchmark of `prepare` against its tokenizer alone, on a corpus it generates.
 
     python -m rwkvx_cli.tools.bench_prepare [--mb 300] [--tokenizers byte,bpe,world] [--workers 1,2]
-                                            [--style prose|verse] [--json PATH] [--dir DIR] [--keep]
+                                            [--repeat 3] [--style prose|verse] [--json PATH] [--dir DIR] [--keep]
 
 The corpus is JSONL of Shakespeare-derived documents (`data/tinyshakespeare.txt`, nothing downloaded): spans of
 consecutive lines of log-normal length (median 2,500 characters, capped at 200,000), as verse (its own line
@@ -13,8 +13,9 @@ a thousand, the faster counts; for World also each other engine that runs here: 
 from the first task's result to the last, without the workers' start-up), tokens/s and the ratios: workers 1
 against the tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as
 `rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped outputs) and its
-workers' are sampled every 0.1 s. The load average is recorded before and after each measurement, because a
-shared machine's other users skew it. Prints a table and, with --json, writes every figure.
+workers' are sampled every 0.1 s. Each measurement runs --repeat times (the prepares interleaved across worker
+counts) and the run of median speed counts; the load average is recorded before and after each, because a shared
+machine's other users skew it. Prints a table and, with --json, writes every figure.
 """
 
 from __future__ import annotations
@@ -248,6 +249,12 @@ def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) ->
     }
 
 
+def _median(runs: list[dict]) -> dict:
+    """The run of median text MB/s, with every run's rate beside it."""
+    middle = sorted(runs, key=lambda r: r["text_mb_per_s"])[len(runs) // 2]
+    return {**middle, "runs_text_mb_per_s": [round(r["text_mb_per_s"], 2) for r in runs]}
+
+
 def machine() -> dict:
     cpu = "unknown"
     try:
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, help="where the corpus and outputs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpus")
     ap.add_argument("--source", type=Path, default=SOURCE, help="the text the documents are drawn from")
+    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the median counts (default 3)")
     args = ap.parse_args(argv)
     from rwkvx_cli.data.tokenizer import BPETokenizer, load_tokenizer
     from rwkvx_cli.data.world import WorldTokenizer
@@ -304,7 +312,7 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tok, name = load_tokenizer(kind), kind
                 tok.encode_arrays(["warm"])
-            entry = {"alone": tokenizer_alone(kind, tok, corpus), "prepare": {}}
+            entry = {"alone": _median([tokenizer_alone(kind, tok, corpus) for _ in range(args.repeat)]), "prepare": {}}
             if kind == "world":  # every other World engine that runs here, alone, for comparison
                 entry["other_engines"] = {}
                 for engine in ("native", "rust"):
@@ -312,9 +320,14 @@ def main(argv: list[str] | None = None) -> int:
                         with contextlib.suppress(Exception):  # not installed, no compiler
                             other = WorldTokenizer(engine)
                             other.encode_arrays(["warm"])
-                            entry["other_engines"][engine] = tokenizer_alone(kind, other, corpus)
-            for n in (int(w) for w in args.workers.split(",")):
-                entry["prepare"][str(n)] = prepare_run(corpus, work / f"out-{kind}-{n}", name, n)
+                            alone = [tokenizer_alone(kind, other, corpus) for _ in range(args.repeat)]
+                            entry["other_engines"][engine] = _median(alone)
+            counts = [int(w) for w in args.workers.split(",")]
+            timed: dict[int, list[dict]] = {n: [] for n in counts}
+            for _ in range(args.repeat):  # interleaved, so that a slow spell of the machine hits every count
+                for n in counts:
+                    timed[n].append(prepare_run(corpus, work / f"out-{kind}-{n}", name, n))
+            entry["prepare"] = {str(n): _median(r) for n, r in timed.items()}
             runs = entry["prepare"]
             if "1" in runs:
                 entry["workers_1_vs_alone"] = runs["1"]["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
@@ -348,7 +361,9 @@ def _print_entry(kind: str, e: dict) -> None:
         mem = r.get("peak_rss_anon_mb")
         extra = f", peak RssAnon main {mem['main']:.0f} MB, worker {mem['largest_worker']:.0f} MB" if mem else ""
         steady = f" (steady {r['steady_text_mb_per_s']:.1f})" if r.get("steady_text_mb_per_s") else ""
-        print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s{steady}, "
+        each = r.get("runs_text_mb_per_s", [])
+        runs = f" (runs {', '.join(map(str, each))})" if len(each) > 1 else ""
+        print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s{runs}{steady}, "
               f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s, "
               f"split+write {r['split_and_write_seconds']:.1f} s (load {r['load_before']} -> {r['load_after']}){extra}")
     for key in sorted(k for k in e if k.startswith("workers_")):

@@ -89,6 +89,19 @@ def test_same_bytes_as_before_and_for_every_number_of_workers(tmp_path, kind):
         _same_files(tmp_path / "w1", tmp_path / f"w{n}")
 
 
+@pytest.mark.parametrize("kind", ["byte", "world", "bpe"])
+def test_documents_whole_or_in_pieces_give_the_same_bytes(tmp_path, monkeypatch, kind):
+    """A JSONL document is encoded as one text up to WHOLE_CHARS, and in pieces cut where the tokenizer's rule allows
+    beyond: with that limit at 1,000 characters, every document longer than a piece is cut, as the code before
+    this limit cut them, and the bytes are the same as encoding them whole (the test above)."""
+    from rwkvx_cli.data import encode
+
+    monkeypatch.setattr(encode, "WHOLE_CHARS", 1000)
+    paths = golden_corpus(tmp_path / "in")
+    prepare(paths, tmp_path / "out", kind, vocab_size=400 if kind == "bpe" else None, workers=1)
+    assert _digest(tmp_path / "out") == GOLDEN[kind]
+
+
 @pytest.mark.parametrize("kind", ["byte", "world"])
 def test_single_document_same_bytes_as_before(tmp_path, kind):
     stats = prepare([SHAKESPEARE], tmp_path / "w1", kind)
