@@ -7,9 +7,10 @@
 //
 // Layout, for the cache: the first byte's node comes from a 256-entry table and the first two
 // bytes' from a 65,536-entry one (most tokens are 2-8 bytes: those two tables hold the hot
-// part); deeper children from one open-addressed hash table keyed by (node, byte). Each node
-// keeps its token id as uint16 (0: no token ends there; id 0 is the end of a document and has
-// no bytes). Built once per process from the vocabulary (a few ms); read-only afterwards.
+// part); deeper children from one open-addressed hash table keyed by (node, byte), at most half
+// full (World: 116K nodes, 2 MB). Each node keeps its token id as uint16 (0: no token ends
+// there; id 0 is the end of a document and has no bytes). Built once per process from the
+// vocabulary (a few ms); read-only afterwards.
 
 #include <cstdint>
 #include <cstring>
@@ -36,14 +37,27 @@ struct Trie {
         }
     }
 
-    uint32_t add_child(uint32_t node, uint8_t byte) {
-        const uint64_t key = (uint64_t(node) << 8 | byte) + 1;
-        uint64_t i = hash(key) & mask;
+    void put(uint64_t slot) {
+        uint64_t i = hash(slot >> 32) & mask;
         while (slots[i] != 0) i = (i + 1) & mask;
+        slots[i] = slot;
+    }
+
+    uint32_t add_child(uint32_t node, uint8_t byte) {
         const uint32_t created = uint32_t(token.size());
         token.push_back(0);
-        slots[i] = key << 32 | created;
+        put(((uint64_t(node) << 8 | byte) + 1) << 32 | created);
         return created;
+    }
+
+    // The table at `capacity` slots (a power of two above the entries): built roomy, then shrunk to
+    // what the nodes need, so that the probes stay in few cache lines.
+    void resize(uint64_t capacity) {
+        std::vector<uint64_t> old(capacity, 0);
+        old.swap(slots);
+        mask = capacity - 1;
+        for (uint64_t s : old)
+            if (s != 0) put(s);
     }
 };
 
@@ -60,7 +74,7 @@ void* rwkvx_world_new(const uint8_t* bytes, const int64_t* offsets, int64_t n_id
     if (t == nullptr) return nullptr;
     const int64_t total = offsets[n_ids] - offsets[0];
     uint64_t capacity = 1024;
-    while (capacity < uint64_t(total) * 2) capacity <<= 1;  // load factor <= 0.5
+    while (capacity < uint64_t(total) * 2) capacity <<= 1;  // every byte a node at most: load <= 0.5
     t->slots.assign(capacity, 0);
     t->mask = capacity - 1;
     t->token.reserve(size_t(total) + 1);
@@ -78,6 +92,9 @@ void* rwkvx_world_new(const uint8_t* bytes, const int64_t* offsets, int64_t n_id
         }
         t->token[node] = uint16_t(id);
     }
+    uint64_t fit = 1024;
+    while (fit < t->token.size() * 2) fit <<= 1;  // load factor <= 0.5
+    t->resize(fit);
     t->second.assign(65536, 0);
     for (int a = 0; a < 256; a++) {
         t->first[a] = t->child(0, uint8_t(a));
