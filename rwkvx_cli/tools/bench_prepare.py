@@ -11,11 +11,13 @@ byte-level BPE of 8,192 ids trained on the source text) it measures, in this run
 a thousand, the faster counts; for World also each other engine that runs here: `rust`, pyrwkv-tokenizer), then
 `prepare` with each worker count, and reports MB/s of document text (over the whole tokenizing phase, and "steady":
 from the first task's result to the last, without the workers' start-up), tokens/s and the ratios: workers 1
-against the tokenizer alone, workers N against workers 1. Each prepare runs in a fresh process, as
-`rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped outputs) and its
-workers' are sampled every 0.1 s. Each measurement runs --repeat times (the prepares interleaved across worker
-counts) and the run of median speed counts; the load average is recorded before and after each, because a shared
-machine's other users skew it. Prints a table and, with --json, writes every figure.
+against the tokenizer alone, workers N against workers 1, and for each N > 1 the tokenizer alone in N processes at
+once (each over the whole corpus) against one: the most N cores of this machine give for the work itself, with
+caches, memory bandwidth and a shared host's clock shared, the ceiling of `--workers N`. Each prepare runs in a
+fresh process, as `rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped
+outputs) and its workers' are sampled every 0.1 s. Each measurement runs --repeat times (the prepares
+interleaved across worker counts) and the run of median speed counts; the load average is recorded before and
+after each, because a shared machine's other users skew it. Prints a table and, with --json, writes every figure.
 """
 
 from __future__ import annotations
@@ -208,6 +210,33 @@ print(json.dumps({"wall": time.perf_counter() - t0, "tokenize": s.tokenize_secon
 """
 
 
+_ALONE_CHILD = """
+import json, sys
+from pathlib import Path
+from rwkvx_cli.data.tokenizer import load_tokenizer
+from rwkvx_cli.tools.bench_prepare import tokenizer_alone
+tok = load_tokenizer(sys.argv[2] if sys.argv[1] == "bpe" else sys.argv[1])
+tok.encode_arrays(["warm"])
+print(json.dumps(tokenizer_alone(sys.argv[1], tok, Path(sys.argv[3]))))
+"""
+
+
+def alone_at_once(kind: str, tokenizer: str | Path, corpus: Path, n: int) -> dict:
+    """The tokenizer alone in `n` processes at once, each over the whole corpus: what n cores of this machine give
+    for this work with nothing shared, the ceiling of `prepare --workers n` (caches, memory and a shared host's
+    clock are shared all the same)."""
+    import subprocess
+
+    paths = [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(p for p in paths if p)}
+    args = [sys.executable, "-c", _ALONE_CHILD, kind, str(tokenizer), str(corpus)]
+    procs = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
+    runs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
+    if any(p.returncode for p in procs):
+        raise SystemExit("a concurrent tokenizer run failed")
+    return {"processes": n, "text_mb_per_s": sum(r["text_mb_per_s"] for r in runs), "each": runs}
+
+
 def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) -> dict:
     """`prepare` in a fresh process (as `rwkvx data prepare` runs), its memory sampled from here."""
     import subprocess
@@ -323,6 +352,10 @@ def main(argv: list[str] | None = None) -> int:
                             alone = [tokenizer_alone(kind, other, corpus) for _ in range(args.repeat)]
                             entry["other_engines"][engine] = _median(alone)
             counts = [int(w) for w in args.workers.split(",")]
+            for n in (c for c in counts if c > 1):
+                at_once = _median([alone_at_once(kind, name, corpus, n) for _ in range(args.repeat)])
+                entry[f"alone_{n}_at_once"] = at_once
+                entry[f"alone_{n}_at_once_vs_1"] = at_once["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
             timed: dict[int, list[dict]] = {n: [] for n in counts}
             for _ in range(args.repeat):  # interleaved, so that a slow spell of the machine hits every count
                 for n in counts:
@@ -366,6 +399,9 @@ def _print_entry(kind: str, e: dict) -> None:
         print(f"  prepare --workers {n}: {r['text_mb_per_s']:.1f} MB/s{runs}{steady}, "
               f"{r['tokens_per_s'] / 1e6:.2f}M tokens/s, "
               f"split+write {r['split_and_write_seconds']:.1f} s (load {r['load_before']} -> {r['load_after']}){extra}")
+    for key in sorted(k for k in e if k.startswith("alone_") and k.endswith("_at_once")):
+        print(f"  tokenizer alone in {e[key]['processes']} processes at once: {e[key]['text_mb_per_s']:.1f} MB/s "
+              f"in all ({e[key + '_vs_1']:.2f}x one: this machine's ceiling for that many workers)")
     for key in sorted(k for k in e if k.startswith("workers_")):
         print(f"  {key.replace('_', ' ')}: {e[key]:.2f}x")
     if "hours_per_tb_by_cores" in e:

@@ -11,8 +11,8 @@ import pytest
 from rwkvx_cli.data import BinIdx, DataError, WorldTokenizer, load_tokenizer, prepare
 from rwkvx_cli.data.corpus import split_pieces
 from rwkvx_cli.data.world import VOCAB_FILE, _NativeEngine, read_vocab, rust_available
-from rwkvx_cli.native import NativeBuildError
 from rwkvx_cli.errors import UsageError
+from rwkvx_cli.native import NativeBuildError
 
 rwkv = pytest.importorskip("rwkv")
 from rwkv.rwkv_tokenizer import TRIE_TOKENIZER  # noqa: E402
