@@ -333,6 +333,21 @@ def data_prepare(
     render_prepared(stats)
 
 
+Prepared = Annotated[
+    list[str], typer.Argument(help="Prepared directories or globs: the shards of one corpus.", show_default=False)
+]
+
+
+@data_app.command("merge")
+@reports_errors
+def data_merge(dirs: Prepared, out_dir: OutDir) -> None:
+    """Write prepared directories (the shards of --num-shards, or any with one tokenizer) as one, copying tokens."""
+    from rwkvx_cli.data.merge import merge_prepared
+    from rwkvx_cli.render import render_merged
+
+    render_merged(merge_prepared(list(dirs), out_dir))
+
+
 def main() -> None:
     import warnings
 

@@ -303,6 +303,14 @@ def render_prepared(stats) -> None:
         warning(f"skipped {stats.skipped_records:,} bad records (first: {stats.first_skipped})")
 
 
+def render_merged(stats) -> None:
+    out.print(
+        f"merged {stats.directories} prepared directories into {stats.out_dir}: train {stats.train_tokens:,} tokens "
+        f"({stats.train_documents:,} documents), val {stats.val_tokens:,} tokens ({stats.val_documents:,} documents)",
+        markup=False, soft_wrap=True, highlight=False,
+    )
+
+
 @contextlib.contextmanager
 def data_progress():
     """A progress bar (stderr, erased when done) around data preparation; yields its callback (done, total)."""

@@ -1,0 +1,115 @@
+"""`data merge`: prepared directories (the K shards of a sharded prepare, or any sharing a tokenizer) -> one.
+
+Training reads a list of shards as it is (`open_prepared`, nothing copied); merging is for a tool that wants one
+binidx pair, RWKV-LM's trainer for one. The directories are checked as `open_prepared` checks them (the same
+tokenizer, a sharded corpus whole, each shard once) and concatenated in its reading order: train.bin is the
+training splits one after another, copied in the kernel (copy_file_range), train.idx their document sizes, the
+same for val; so the merged directory holds each document of the inputs once, in the order a list of them is read.
+meta.json is written last, as by `prepare`: an interrupted merge leaves a directory nothing takes for a finished one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, binidx_paths, copy_range, write_index
+from rwkvx_cli.data.prepared import open_prepared
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_dir, fsync_file
+
+_SUMMED = ("documents", "bytes", "text_bytes", "tokens", "skipped_records")
+
+
+@dataclass(frozen=True)
+class MergeStats:
+    out_dir: Path
+    directories: int
+    train_tokens: int
+    val_tokens: int
+    train_documents: int
+    val_documents: int
+
+
+def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> MergeStats:
+    """Write the prepared directories `paths` (a list, a directory or a glob, as `open_prepared` takes them) as one
+    prepared directory `out_dir`. Refuses an `out_dir` rwkvx did not make, or one of the inputs."""
+    from rwkvx_cli.data.prepare import _hold, _prepared_here
+
+    corpus = open_prepared(paths)
+    out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
+    resolved = Path(os.path.abspath(out_dir))
+    if any(Path(os.path.abspath(d)) == resolved for d in corpus.dirs):
+        raise UsageError(f"{out_dir} is one of the directories to merge; name a new one")
+    claim_dir(out_dir, DATA_MARKER)
+    with _hold(out_dir):
+        (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
+        counts = {split: _concatenate(out_dir / split, [d / split for d in corpus.dirs], corpus.dtype)
+                  for split in ("train", "val")}
+        shutil.copyfile(corpus.dirs[0] / "tokenizer.json", out_dir / "tokenizer.json")
+        meta = _merged_meta(corpus.dirs, corpus.metas, counts)
+        atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: the directory is complete
+    (train_docs, train_tokens), (val_docs, val_tokens) = counts["train"], counts["val"]
+    return MergeStats(out_dir, len(corpus.dirs), train_tokens, val_tokens, train_docs, val_docs)
+
+
+def _concatenate(prefix: Path, parts: list[Path], dtype: np.dtype) -> tuple[int, int]:
+    """Write the binidx pairs `parts` one after another as `prefix`; returns (documents, tokens)."""
+    from rwkvx_cli.data.binidx import BinIdx
+    from rwkvx_cli.fsio import temp_path
+
+    bin_path, idx_path = binidx_paths(prefix)
+    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
+    opened = [BinIdx(p) for p in parts]
+    try:
+        with open(tmp_bin, "wb") as dst:
+            for p, data in zip(parts, opened, strict=True):
+                with open(binidx_paths(p)[0], "rb") as src:
+                    copy_range(src.fileno(), dst.fileno(), 0, len(data.tokens) * dtype.itemsize)
+            fsync_file(dst)
+        n = sum(len(d.doc_sizes) for d in opened)
+
+        def sizes():
+            for d in opened:
+                for a in range(0, len(d.doc_sizes), _WRITE_CHUNK):
+                    yield np.asarray(d.doc_sizes[a : a + _WRITE_CHUNK], dtype=np.int64)
+
+        write_index(tmp_idx, dtype, n, sizes)
+        os.replace(tmp_bin, bin_path)  # .bin first: a crash between the renames leaves a pair the reader refuses
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
+    fsync_dir(bin_path.parent)
+    return n, sum(len(d.tokens) for d in opened)
+
+
+def _merged_meta(dirs: list[Path], metas: list[dict], counts: dict) -> dict:
+    """The first directory's meta.json with the counts of all, every source, and what was merged; a setting the
+    directories disagree on (val_fraction, seed, ...) is null."""
+    first = metas[0]
+    meta = {k: v for k, v in first.items() if k not in ("shard", "sources")}
+    for key in _SUMMED:
+        meta[key] = sum(int(m.get(key) or 0) for m in metas)
+    for key in ("split", "val_fraction", "seed", "text_field"):
+        values = {json.dumps(m.get(key)) for m in metas}
+        meta[key] = first.get(key) if len(values) == 1 else None
+    meta["val_requested"] = sum(int(m.get("val_requested") or 0) for m in metas)
+    meta["cuts"] = {**first.get("cuts", {}), "forced": sum(int(m.get("cuts", {}).get("forced", 0)) for m in metas)}
+    (train_docs, train_tokens), (val_docs, val_tokens) = counts["train"], counts["val"]
+    meta["train"] = {"prefix": "train", "tokens": train_tokens, "documents": train_docs}
+    meta["val"] = {"prefix": "val", "tokens": val_tokens, "documents": val_docs}
+    meta["sources"] = [s for m in metas for s in m.get("sources", [])]
+    meta["merged"] = [
+        {"dir": str(Path(d).resolve()), "train_tokens": m["train"]["tokens"], "val_tokens": m["val"]["tokens"],
+         **({"shard": m["shard"]} if "shard" in m else {})}
+        for d, m in zip(dirs, metas, strict=True)
+    ]
+    return meta
