@@ -154,9 +154,9 @@ class _NativeEngine:
         lib.rwkvx_world_new.argtypes = [ctypes.c_char_p, ctypes.c_void_p, ctypes.c_int64]
         lib.rwkvx_world_free.argtypes = [ctypes.c_void_p]
         lib.rwkvx_world_encode.restype = ctypes.c_int64
-        lib.rwkvx_world_encode.argtypes = [ctypes.c_void_p, ctypes.c_char_p] + [ctypes.c_void_p, ctypes.c_int64] + [
-            ctypes.c_void_p
-        ] * 2
+        ptr, size = ctypes.c_void_p, ctypes.c_int64
+        # trie, text, offsets, number of texts, out, counts
+        lib.rwkvx_world_encode.argtypes = [ptr, ctypes.c_char_p, ptr, size, ptr, ptr]
         offsets = np.cumsum([0, *map(len, table)], dtype=np.int64)
         handle = lib.rwkvx_world_new(b"".join(table), offsets.ctypes.data, len(table))
         if not handle:
@@ -246,10 +246,12 @@ class WorldTokenizer:
                     self._impl, self.engine = _NativeEngine(self.table), "native"
                 except NativeBuildError:
                     self.engine = "rust" if rust_available() else "python"
-            if self._impl is None:
-                self._impl = {"native": _NativeEngine, "rust": _RustEngine, "python": _PythonEngine}[self.engine](
-                    VOCAB_FILE if self.engine == "rust" else self.table
-                )
+            if self.engine == "rust":
+                self._impl = _RustEngine(VOCAB_FILE)
+            elif self.engine == "python":
+                self._impl = _PythonEngine(self.table)
+            elif self._impl is None:  # asked for by name
+                self._impl = _NativeEngine(self.table)
         return self._impl
 
     def encode(self, text: str) -> list[int]:
