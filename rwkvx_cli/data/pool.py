@@ -169,7 +169,8 @@ class WorkerPool:
         return DataError(f"tokenizer worker {w} {how}{hint}")
 
     def close(self) -> None:
-        """Stop the workers after their last task."""
+        """Stop the workers after their last task (a worker not started yet is not started: nothing is left)."""
+        self._stopping = True
         self._starter.join()
         for conn in self._send:
             with contextlib.suppress(OSError):

@@ -15,9 +15,10 @@ against the tokenizer alone, workers N against workers 1, and for each N > 1 the
 once (each over the whole corpus) against one: the most N cores of this machine give for the work itself, with
 caches, memory bandwidth and a shared host's clock shared, the ceiling of `--workers N`. Each prepare runs in a
 fresh process, as `rwkvx data prepare` does; its anonymous memory (RssAnon: not the file pages of memory-mapped
-outputs) and its workers' are sampled every 0.1 s. Each measurement runs --repeat times (the prepares
-interleaved across worker counts) and the run of median speed counts; the load average is recorded before and
-after each, because a shared machine's other users skew it. Prints a table and, with --json, writes every figure.
+outputs) and its workers' are sampled every 0.1 s. All of it runs in --repeat rounds; each ratio is taken within
+a round (a slow spell of a shared machine hits both of its sides) and its median over the rounds is reported, each
+rate as the run of median speed, and the load average is recorded before and after every run. Prints a table and,
+with --json, writes every figure.
 """
 
 from __future__ import annotations
@@ -278,6 +279,55 @@ def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) ->
     }
 
 
+def measure(kind: str, tok, name: str | Path, corpus: Path, counts: list[int], others: dict, repeat: int,
+            work: Path) -> dict:
+    """`repeat` rounds of: the tokenizer alone (and each other engine in `others`), `prepare` with each worker count,
+    the tokenizer alone in N processes at once. A ratio is taken within each round (a slow spell of a shared
+    machine hits both of its sides) and its median over the rounds is reported; a rate, the run of median speed."""
+    rounds = []
+    for _ in range(repeat):
+        rnd = {"alone": tokenizer_alone(kind, tok, corpus), "prepare": {}, "at_once": {}}
+        rnd["others"] = {engine: tokenizer_alone(kind, other, corpus) for engine, other in others.items()}
+        for n in counts:
+            rnd["prepare"][n] = prepare_run(corpus, work / f"out-{kind}-{n}", name, n)
+        for n in (c for c in counts if c > 1):
+            rnd["at_once"][n] = alone_at_once(kind, name, corpus, n)
+        rounds.append(rnd)
+    entry: dict = {
+        "alone": _median([r["alone"] for r in rounds]),
+        "other_engines": {e: _median([r["others"][e] for r in rounds]) for e in others},
+        "prepare": {str(n): _median([r["prepare"][n] for r in rounds]) for n in counts},
+        "ratios_by_round": {},
+    }
+
+    def ratio(key: str, of) -> None:
+        values = [of(r) for r in rounds]
+        if all(v is not None for v in values):
+            entry[key] = sorted(values)[len(values) // 2]
+            entry["ratios_by_round"][key] = [round(v, 3) for v in values]
+
+    def mb(r: dict, n: int, key: str = "text_mb_per_s") -> float | None:
+        return r["prepare"][n].get(key)
+
+    def steady(r: dict, n: int) -> float | None:
+        a, b = mb(r, n, "steady_text_mb_per_s"), mb(r, 1, "steady_text_mb_per_s")
+        return a / b if a and b else None
+
+    for n in (c for c in counts if c > 1):
+        entry[f"alone_{n}_at_once"] = _median([r["at_once"][n] for r in rounds])
+        ratio(f"alone_{n}_at_once_vs_1", lambda r, n=n: r["at_once"][n]["text_mb_per_s"] / r["alone"]["text_mb_per_s"])
+    if 1 in counts:
+        ratio("workers_1_vs_alone", lambda r: mb(r, 1) / r["alone"]["text_mb_per_s"])
+        for e in others:
+            ratio(f"workers_1_vs_{e}_alone", lambda r, e=e: mb(r, 1) / r["others"][e]["text_mb_per_s"])
+        for n in (c for c in counts if c > 1):
+            ratio(f"workers_{n}_vs_1", lambda r, n=n: mb(r, n) / mb(r, 1))
+            ratio(f"workers_{n}_vs_1_steady", lambda r, n=n: steady(r, n))
+        w1 = entry["prepare"]["1"]["text_mb_per_s"]
+        entry["hours_per_tb_by_cores"] = projection(w1, entry.get("workers_2_vs_1"))
+    return entry
+
+
 def _median(runs: list[dict]) -> dict:
     """The run of median text MB/s, with every run's rate beside it."""
     middle = sorted(runs, key=lambda r: r["text_mb_per_s"])[len(runs) // 2]
@@ -318,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--dir", type=Path, help="where the corpus and outputs go (default: a temporary directory)")
     ap.add_argument("--keep", action="store_true", help="keep the generated corpus")
     ap.add_argument("--source", type=Path, default=SOURCE, help="the text the documents are drawn from")
-    ap.add_argument("--repeat", type=int, default=3, help="runs of each measurement; the median counts (default 3)")
+    ap.add_argument("--repeat", type=int, default=3, help="rounds of every measurement; medians count (default 3)")
     args = ap.parse_args(argv)
     from rwkvx_cli.data.tokenizer import BPETokenizer, load_tokenizer
     from rwkvx_cli.data.world import WorldTokenizer
@@ -341,38 +391,15 @@ def main(argv: list[str] | None = None) -> int:
             else:
                 tok, name = load_tokenizer(kind), kind
                 tok.encode_arrays(["warm"])
-            entry = {"alone": _median([tokenizer_alone(kind, tok, corpus) for _ in range(args.repeat)]), "prepare": {}}
+            others = {}
             if kind == "world":  # every other World engine that runs here, alone, for comparison
-                entry["other_engines"] = {}
                 for engine in ("native", "rust"):
                     if engine != tok.engine:
                         with contextlib.suppress(Exception):  # not installed, no compiler
-                            other = WorldTokenizer(engine)
-                            other.encode_arrays(["warm"])
-                            alone = [tokenizer_alone(kind, other, corpus) for _ in range(args.repeat)]
-                            entry["other_engines"][engine] = _median(alone)
+                            others[engine] = WorldTokenizer(engine)
+                            others[engine].encode_arrays(["warm"])
             counts = [int(w) for w in args.workers.split(",")]
-            for n in (c for c in counts if c > 1):
-                at_once = _median([alone_at_once(kind, name, corpus, n) for _ in range(args.repeat)])
-                entry[f"alone_{n}_at_once"] = at_once
-                entry[f"alone_{n}_at_once_vs_1"] = at_once["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
-            timed: dict[int, list[dict]] = {n: [] for n in counts}
-            for _ in range(args.repeat):  # interleaved, so that a slow spell of the machine hits every count
-                for n in counts:
-                    timed[n].append(prepare_run(corpus, work / f"out-{kind}-{n}", name, n))
-            entry["prepare"] = {str(n): _median(r) for n, r in timed.items()}
-            runs = entry["prepare"]
-            if "1" in runs:
-                entry["workers_1_vs_alone"] = runs["1"]["text_mb_per_s"] / entry["alone"]["text_mb_per_s"]
-                for engine, alone in entry.get("other_engines", {}).items():
-                    entry[f"workers_1_vs_{engine}_alone"] = runs["1"]["text_mb_per_s"] / alone["text_mb_per_s"]
-                for n, r in runs.items():
-                    if n != "1":
-                        entry[f"workers_{n}_vs_1"] = r["text_mb_per_s"] / runs["1"]["text_mb_per_s"]
-                        if r["steady_text_mb_per_s"] and runs["1"]["steady_text_mb_per_s"]:
-                            steady = r["steady_text_mb_per_s"] / runs["1"]["steady_text_mb_per_s"]
-                            entry[f"workers_{n}_vs_1_steady"] = steady
-                entry["hours_per_tb_by_cores"] = projection(runs["1"]["text_mb_per_s"], entry.get("workers_2_vs_1"))
+            entry = measure(kind, tok, name, corpus, counts, others, args.repeat, work)
             report["tokenizers"][kind] = entry
             _print_entry(kind, entry)
     finally:
@@ -401,9 +428,11 @@ def _print_entry(kind: str, e: dict) -> None:
               f"split+write {r['split_and_write_seconds']:.1f} s (load {r['load_before']} -> {r['load_after']}){extra}")
     for key in sorted(k for k in e if k.startswith("alone_") and k.endswith("_at_once")):
         print(f"  tokenizer alone in {e[key]['processes']} processes at once: {e[key]['text_mb_per_s']:.1f} MB/s "
-              f"in all ({e[key + '_vs_1']:.2f}x one: this machine's ceiling for that many workers)")
+              f"in all ({e.get(key + '_vs_1', 0):.2f}x one: this machine's ceiling for that many workers)")
     for key in sorted(k for k in e if k.startswith("workers_")):
-        print(f"  {key.replace('_', ' ')}: {e[key]:.2f}x")
+        rounds = e.get("ratios_by_round", {}).get(key, [])
+        each = f" (rounds {', '.join(f'{v:.2f}' for v in rounds)})" if len(rounds) > 1 else ""
+        print(f"  {key.replace('_', ' ')}: {e[key]:.2f}x{each}")
     if "hours_per_tb_by_cores" in e:
         hours = e["hours_per_tb_by_cores"]
         print("  1 TB of text, hours by cores: " + ", ".join(f"{c}: {h}" for c, h in hours.items()))
