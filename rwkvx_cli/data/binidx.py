@@ -13,10 +13,11 @@ Every reader here exposes `.tokens` (a 1-D array, memory-mapped), `len()` (the n
 from __future__ import annotations
 
 import array
+import contextlib
 import errno
 import os
 import struct
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -168,6 +169,23 @@ def write_index(path: Path, dtype, n: int, size_chunks: Callable[[], Iterable[np
         for a in range(0, n + 1, _WRITE_CHUNK):
             f.write(np.arange(a, min(n + 1, a + _WRITE_CHUNK), dtype="<i8").tobytes())
         fsync_file(f)
+
+
+@contextlib.contextmanager
+def replacing(prefix: str | os.PathLike) -> Iterator[tuple[Path, Path]]:
+    """Temporary paths to write PREFIX.bin and PREFIX.idx at, renamed over the pair when the block ends (.bin first:
+    a crash between the renames leaves a pair whose sizes the reader refuses), removed when it raises."""
+    bin_path, idx_path = binidx_paths(prefix)
+    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
+    try:
+        yield tmp_bin, tmp_idx
+        os.replace(tmp_bin, bin_path)
+        os.replace(tmp_idx, idx_path)
+    except BaseException:
+        tmp_bin.unlink(missing_ok=True)
+        tmp_idx.unlink(missing_ok=True)
+        raise
+    fsync_dir(bin_path.parent)
 
 
 def copy_range(src: int, dst: int, offset: int, length: int) -> None:

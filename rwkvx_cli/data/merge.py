@@ -19,10 +19,10 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, binidx_paths, copy_range, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, BinIdx, binidx_paths, copy_range, replacing, write_index
 from rwkvx_cli.data.prepared import open_prepared
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_dir, fsync_file
+from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
 
 _SUMMED = ("documents", "bytes", "text_bytes", "tokens", "skipped_records")
 
@@ -61,13 +61,8 @@ def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_d
 
 def _concatenate(prefix: Path, parts: list[Path], dtype: np.dtype) -> tuple[int, int]:
     """Write the binidx pairs `parts` one after another as `prefix`; returns (documents, tokens)."""
-    from rwkvx_cli.data.binidx import BinIdx
-    from rwkvx_cli.fsio import temp_path
-
-    bin_path, idx_path = binidx_paths(prefix)
-    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
     opened = [BinIdx(p) for p in parts]
-    try:
+    with replacing(prefix) as (tmp_bin, tmp_idx):
         with open(tmp_bin, "wb") as dst:
             for p, data in zip(parts, opened, strict=True):
                 with open(binidx_paths(p)[0], "rb") as src:
@@ -81,13 +76,6 @@ def _concatenate(prefix: Path, parts: list[Path], dtype: np.dtype) -> tuple[int,
                     yield np.asarray(d.doc_sizes[a : a + _WRITE_CHUNK], dtype=np.int64)
 
         write_index(tmp_idx, dtype, n, sizes)
-        os.replace(tmp_bin, bin_path)  # .bin first: a crash between the renames leaves a pair the reader refuses
-        os.replace(tmp_idx, idx_path)
-    except BaseException:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
-        raise
-    fsync_dir(bin_path.parent)
     return n, sum(len(d.tokens) for d in opened)
 
 

@@ -36,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from rwkvx_cli.data import corpus
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, replacing, write_index
 from rwkvx_cli.data.cuts import rule_for
 from rwkvx_cli.data.encode import (
     Encoder,
@@ -56,7 +56,7 @@ from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
 from rwkvx_cli.data.tokenizer import NAMES, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_dir, fsync_file
+from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
 
 try:
     import fcntl
@@ -518,12 +518,7 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
     """Write the documents of the token stream (sizes `sizes`, from token `skip`) for which `mask` is `want` (all
     when mask is None) as a binidx pair, under temporary names renamed when complete. All of the stream is linked,
     not copied; a part is copied in the kernel. Returns (documents, tokens)."""
-    from rwkvx_cli.data.binidx import binidx_paths
-    from rwkvx_cli.fsio import temp_path
-
     dtype, item = np.dtype(dtype), np.dtype(dtype).itemsize
-    bin_path, idx_path = binidx_paths(prefix)
-    tmp_bin, tmp_idx = temp_path(bin_path), temp_path(idx_path)
     n = len(sizes)
     chunks = range(0, n, _WRITE_CHUNK)
 
@@ -536,7 +531,7 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
 
     n_keep = sum(int(np.count_nonzero(keep(a))) for a in chunks)
     tokens = 0
-    try:
+    with replacing(prefix) as (tmp_bin, tmp_idx):
         whole = mask is None and skip == 0 and n and int(np.sum(sizes)) * item == stream.stat().st_size
         if whole:
             tmp_bin.unlink(missing_ok=True)
@@ -557,14 +552,6 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
                     at = int(ends[-1]) if len(part) else at
                 fsync_file(dst)
         write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
-        # .bin first: a crash between the renames leaves a pair that fails the reader's size check.
-        os.replace(tmp_bin, bin_path)
-        os.replace(tmp_idx, idx_path)
-    except BaseException:
-        tmp_bin.unlink(missing_ok=True)
-        tmp_idx.unlink(missing_ok=True)
-        raise
-    fsync_dir(bin_path.parent)
     return n_keep, tokens
 
 
