@@ -19,7 +19,7 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, BinIdx, binidx_paths, copy_range, replacing, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, BinIdx, copy_range, replacing, write_index
 from rwkvx_cli.data.prepared import open_prepared
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
@@ -50,8 +50,8 @@ def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_d
     claim_dir(out_dir, DATA_MARKER)
     with _hold(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
-        counts = {split: _concatenate(out_dir / split, [d / split for d in corpus.dirs], corpus.dtype)
-                  for split in ("train", "val")}
+        counts = {"train": _concatenate(out_dir / "train", corpus.train, corpus.dtype),
+                  "val": _concatenate(out_dir / "val", corpus.val_parts, corpus.dtype)}
         shutil.copyfile(corpus.dirs[0] / "tokenizer.json", out_dir / "tokenizer.json")
         meta = _merged_meta(corpus.dirs, corpus.metas, counts)
         atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: the directory is complete
@@ -59,13 +59,12 @@ def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_d
     return MergeStats(out_dir, len(corpus.dirs), train_tokens, val_tokens, train_docs, val_docs)
 
 
-def _concatenate(prefix: Path, parts: list[Path], dtype: np.dtype) -> tuple[int, int]:
-    """Write the binidx pairs `parts` one after another as `prefix`; returns (documents, tokens)."""
-    opened = [BinIdx(p) for p in parts]
+def _concatenate(prefix: Path, opened: list[BinIdx], dtype: np.dtype) -> tuple[int, int]:
+    """Write the opened binidx pairs one after another as `prefix`; returns (documents, tokens)."""
     with replacing(prefix) as (tmp_bin, tmp_idx):
         with open(tmp_bin, "wb") as dst:
-            for p, data in zip(parts, opened, strict=True):
-                with open(binidx_paths(p)[0], "rb") as src:
+            for data in opened:  # the splits open_prepared checked and mapped
+                with open(data.bin_path, "rb") as src:
                     copy_range(src.fileno(), dst.fileno(), 0, len(data.tokens) * dtype.itemsize)
             fsync_file(dst)
         n = sum(len(d.doc_sizes) for d in opened)
