@@ -186,11 +186,30 @@ def _long_runs(max_run: int) -> re.Pattern:
 def bound_runs(text: str, max_run: int = MAX_RUN) -> list[str]:
     """`text` cut inside every run of more than `max_run` non-whitespace (or whitespace) characters, so that no
     pre-token is longer than `max_run` characters; `[text]` when there is no such run (almost always)."""
+    if not _may_have_long_run(text, max_run):
+        return [text]
     cuts = [c for m in _long_runs(max_run).finditer(text) for c in range(m.start() + max_run, m.end(), max_run)]
     if not cuts:
         return [text]
     bounds = [0, *cuts, len(text)]
     return [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)]
+
+
+def _may_have_long_run(text: str, max_run: int) -> bool:
+    """False when `text` surely has no run of more than `max_run` whitespace or non-whitespace characters: such a run
+    holds a whole aligned block of (max_run + 1) // 2 characters, all whitespace or none. A scan of those blocks,
+    each ended at its first change, costs a tenth of the regex over every character (which finds the runs)."""
+    step = (max_run + 1) // 2
+    if len(text) <= max_run or step < 1:
+        return len(text) > max_run
+    for a in range(0, len(text) - step + 1, step):
+        block = text[a : a + step]
+        if block.isspace():
+            return True
+        first = block.split(None, 1)  # up to the first whitespace: one part, as long as the block, when there is none
+        if len(first) == 1 and len(first[0]) == step:
+            return True
+    return False
 
 
 def _check_eod_id(eod_id) -> None:

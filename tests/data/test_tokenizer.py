@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from rwkvx_cli.data import BinIdx, BPETokenizer, ByteTokenizer, DataError, load_tokenizer, prepare, train_tokenizer
-from rwkvx_cli.data.tokenizer import MAX_RUN, bound_runs
+from rwkvx_cli.data.tokenizer import MAX_RUN, _long_runs, bound_runs
 from rwkvx_cli.errors import UsageError
 
 TEXT = (
@@ -162,6 +162,20 @@ def test_bound_runs():
     for part in parts:
         assert all(len(run) <= MAX_RUN for run in re.findall(r"\S+|\s+", part))
     assert bound_runs("abcdefgh", 3) == ["abc", "def", "gh"]
+
+
+def test_bound_runs_precheck_misses_no_long_run():
+    """The block scan that skips the regex for most texts agrees with the regex on runs of every length around
+    max_run, at every alignment, for every kind of whitespace."""
+    rng = random.Random(0)
+    chars = ["a", "é", "\u200b", " ", "\n", "\x1c", "\x85", "\u2028", "\u3000"]  # \u200b is not whitespace
+    for _ in range(5000):
+        max_run = rng.choice([1, 2, 3, 4, 5, 8, 16])
+        text = "".join(rng.choice(chars) * rng.randint(1, 3 * max_run) for _ in range(rng.randint(0, 8)))
+        cuts = [c for m in _long_runs(max_run).finditer(text) for c in range(m.start() + max_run, m.end(), max_run)]
+        bounds = [0, *cuts, len(text)]
+        expected = [text[a:b] for a, b in zip(bounds, bounds[1:], strict=False)] if cuts else [text]
+        assert bound_runs(text, max_run) == expected, (text, max_run)
 
 
 def test_bpe_on_a_long_line_without_whitespace_is_fast(tmp_path):
