@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import orjson
 
 from rwkvx_cli.data import corpus
 from rwkvx_cli.data.cuts import CutRule, cut_text
@@ -251,13 +252,16 @@ class Encoder:
         if lines[-1] == b"":
             lines.pop()
         out.lines = len(lines)
-        field_name, docs = self.spec.text_field, []
+        field_name, docs, loads = self.spec.text_field, [], orjson.loads
         for i, line in enumerate(lines):
             if not line or line.isspace():
                 continue
             try:
-                text = corpus.record_field(line, field_name)
-                nbytes = corpus.document_bytes(text, field_name)
+                try:
+                    text = loads(line)[field_name]  # the usual record, inline: a call less per document
+                except (ValueError, TypeError, KeyError):  # any other: read again, for the record's message
+                    text = corpus.record_field(line, field_name)
+                nbytes = len(text) if type(text) is str and text.isascii() else corpus.document_bytes(text, field_name)
             except ValueError as e:
                 if self._record(out, i, str(e)):
                     continue
@@ -330,18 +334,24 @@ def count_line_starts(path: Path, offset: int) -> int:
 
 
 def unit_tasks(
-    path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int
+    path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int, taper: int = 0
 ) -> Iterator[tuple[Task | ReadFailure, int]]:
     """(task, input bytes it accounts for) for bytes [start, end) of one input (a whole file unless it is an
-    uncompressed JSONL split by range)."""
+    uncompressed JSONL split by range). `taper` > 0 (the job's last unit, that many processes): the ranges shrink
+    toward the end, down to an eighth of batch_bytes, so that the processes finish close together instead of all
+    but one waiting for a last full-size task."""
     fmt = corpus.input_format(path)
     if fmt is None:
         yield ReadFailure(f"{path}: unsupported input type; rwkvx reads {corpus.SUPPORTED}"), end - start
         return
     try:
         if fmt.kind == "jsonl" and fmt.compression is None:
-            for a in range(start, end, batch_bytes):
-                yield RangeTask(str(path), a, min(end, a + batch_bytes)), min(end, a + batch_bytes) - a
+            a = start
+            while a < end:
+                size = min(batch_bytes, max(batch_bytes // 8, (end - a) // (2 * taper), 1)) if taper else batch_bytes
+                b = min(end, a + size)
+                yield RangeTask(str(path), a, b), b - a
+                a = b
         elif fmt.kind == "jsonl":
             yield from _compressed_jsonl_tasks(path, fmt.compression, batch_bytes)
         elif fmt.kind == "text":

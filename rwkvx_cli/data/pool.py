@@ -56,14 +56,13 @@ class WorkerPool:
         self._starter.start()
 
     def _start(self, n: int, spec) -> None:
-        ctx = multiprocessing.get_context("forkserver")
-        # The forkserver imports the encoder once; each worker is a fork of it (milliseconds, no re-import).
-        ctx.set_forkserver_preload(["rwkvx_cli.data.encode"])
         try:
+            ctx = _forkserver()
             with _main_not_imported():
                 for _ in range(n):
                     task_r, task_w = ctx.Pipe(duplex=False)
                     result_r, result_w = ctx.Pipe(duplex=False)
+                    _widen(result_r)
                     p = ctx.Process(target=_worker, args=(task_r, result_w, spec, os.getpid()), daemon=True)
                     if self._stopping:  # kill() waits for this thread, then stops every worker started
                         return
@@ -192,22 +191,61 @@ class WorkerPool:
             conn.close()
 
 
+def _forkserver():
+    """The forkserver context, its server started (a no-op when it runs). The server imports the encoder once; each
+    worker is a fork of it (milliseconds, no re-import)."""
+    from multiprocessing import forkserver
+
+    ctx = multiprocessing.get_context("forkserver")
+    ctx.set_forkserver_preload(["rwkvx_cli.data._forkserver_init", "rwkvx_cli.data.encode"])
+    with _main_not_imported():
+        forkserver.ensure_running()
+    return ctx
+
+
+def _widen(conn) -> None:
+    """A results pipe of 1 MiB where Linux allows it (default 64 KiB): a task's tokens (megabytes) then cross in a
+    few writes, each waking the other side, instead of dozens."""
+    try:
+        import fcntl
+
+        fcntl.fcntl(conn.fileno(), getattr(fcntl, "F_SETPIPE_SZ", 1031), 1 << 20)
+    except (ImportError, OSError):  # not Linux, or above /proc/sys/fs/pipe-max-size: the default stays
+        pass
+
+
+def start_forkserver() -> None:
+    """Start the forkserver in a thread, for a pool made later: its start (~0.3 s: a Python process importing the
+    encoder) then overlaps what this process does meanwhile (loading the tokenizer) instead of delaying the workers."""
+
+    def start() -> None:
+        with contextlib.suppress(Exception):  # the pool's own start reports what went wrong
+            _forkserver()
+
+    threading.Thread(target=start, name="start-forkserver", daemon=True).start()
+
+
 @contextlib.contextmanager
 def _main_not_imported() -> Iterator[None]:
     """Start workers without importing the caller's __main__ in them (as forkserver and spawn children do, to
     unpickle what it defines): they need nothing from it, and a script that calls `prepare` outside an
-    `if __name__ == "__main__":` block would run again in every worker."""
-    main = sys.modules.get("__main__")
-    saved = {k: v for k, v in vars(main).items() if k in ("__spec__", "__file__")} if main is not None else {}
-    try:
-        if main is not None:
-            main.__spec__ = None
-            if "__file__" in saved:
-                del main.__file__
-        yield
-    finally:
-        for k, v in saved.items():
-            setattr(main, k, v)
+    `if __name__ == "__main__":` block would run again in every worker. One thread at a time: two overlapping
+    would restore each other's changes."""
+    with _MAIN_LOCK:
+        main = sys.modules.get("__main__")
+        saved = {k: v for k, v in vars(main).items() if k in ("__spec__", "__file__")} if main is not None else {}
+        try:
+            if main is not None:
+                main.__spec__ = None
+                if "__file__" in saved:
+                    del main.__file__
+            yield
+        finally:
+            for k, v in saved.items():
+                setattr(main, k, v)
+
+
+_MAIN_LOCK = threading.RLock()
 
 
 class _Crash:
@@ -255,7 +293,7 @@ def _die_with(owner: int) -> None:
 
 
 def _worker(tasks, results, spec, owner: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group: the owner stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as forked already (_forkserver_init): the owner stops us
     _die_with(owner)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     inbox: queue.SimpleQueue = queue.SimpleQueue()

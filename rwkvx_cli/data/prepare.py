@@ -28,6 +28,7 @@ import math
 import numbers
 import os
 import shutil
+import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -180,6 +181,10 @@ def prepare(
         raise UsageError(f"text_field must be a non-empty field name, got {text_field!r}")
     read_options = {"text_field": text_field, "skip_bad": skip_bad}
     units = plan_units(inputs, sizes, num_shards, shard_index, unit_bytes)
+    if min(workers, math.ceil(sum(u.nbytes for u in units) / batch_bytes)) > 1:
+        from rwkvx_cli.data.pool import start_forkserver
+
+        start_forkserver()  # while the tokenizer loads
 
     work = out_dir / WORK_DIR
     job = {
@@ -367,38 +372,44 @@ class _Tokenizing:
             "cuts.i64": st["cuts"] * 8,
         }
         handles = {}
+        syncer = None
         try:
             for name, size in files.items():
                 f = open(self.work / name, "ab")
                 f.truncate(size)  # a unit that was not finished is read again
                 handles[name] = f
+            syncer = _Syncer(self.work, [f.fileno() for f in handles.values()])
             self._report()
-            items = self._items(spec, batch_bytes)
+            items = self._items(spec, batch_bytes, n_workers)
             with _one_core():  # this process tokenizes too: one core
                 encoder = Encoder(spec, self.tokenizer)
                 if n_workers <= 1:
                     results = ((task if isinstance(task, Local) else encoder.run(task), tag) for task, tag in items)
-                    self._consume(results, handles)
+                    self._consume(results, handles, syncer)
                 else:
                     from rwkvx_cli.data.pool import worker_pool
 
                     with worker_pool(n_workers - 1, spec) as pool:  # with this process, n_workers tokenize
-                        self._consume(pool.imap(items, local=encoder.run), handles)
+                        self._consume(pool.imap(items, local=encoder.run), handles, syncer)
+            syncer.close()  # the last unit's state is on disk before the split reads the stream
         finally:
+            if syncer is not None:
+                syncer.abandon()  # after an error: nothing more is written into the work directory
             for f in handles.values():
                 f.close()
 
-    def _items(self, spec: EncoderSpec, batch_bytes: int) -> Iterator[tuple]:
+    def _items(self, spec: EncoderSpec, batch_bytes: int, processes: int) -> Iterator[tuple]:
         for ui in range(self.state["units_done"], len(self.units)):
             unit = self.units[ui]
             path = self.inputs[unit.source]
-            for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes):
+            taper = processes if processes > 1 and ui == len(self.units) - 1 else 0
+            for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes, taper):
                 yield task, (ui, nbytes, _kind(task))
                 if isinstance(task, ReadFailure):
                     return
             yield UnitEnd(), (ui, 0, "end")
 
-    def _consume(self, results, handles) -> None:
+    def _consume(self, results, handles, syncer: _Syncer) -> None:
         st, item = self.state, self.dtype.itemsize
         tokens_f, docs_f, cuts_f = handles["tokens.bin"], handles["docs.i64"], handles["cuts.i64"]
         unit_lines = 0
@@ -409,9 +420,9 @@ class _Tokenizing:
                 raise DataError(result.message)
             if isinstance(result, UnitEnd):
                 for f in handles.values():
-                    fsync_file(f)
+                    f.flush()
                 st["units_done"] = ui + 1
-                _save_state(self.work, st)
+                syncer.submit(st)
                 unit_lines = 0
                 continue
             if result.bad is not None:
@@ -463,6 +474,64 @@ class _Tokenizing:
                     time.perf_counter() - self._t0, self.resumed_bytes,
                 )
             )
+
+
+class _Syncer:
+    """Makes each finished unit durable in a thread while this process tokenizes on: fsync the work files, then
+    write state.json saying the unit is done (never before its tokens are on disk, so a resume never trusts tokens
+    that a crash lost). Writing a unit's tokens to disk takes a while (a second per GB on a slow disk); only the
+    newest state matters, so one not yet written is replaced by a newer one. An OSError is raised at the next submit
+    or at close."""
+
+    def __init__(self, work: Path, fds: list[int]):
+        self._work, self._fds = work, fds
+        self._cond = threading.Condition()
+        self._pending: str | None = None  # state.json's text
+        self._closing = False
+        self._error: OSError | None = None
+        self._thread = threading.Thread(target=self._run, name="sync-units", daemon=True)
+        self._thread.start()
+
+    def submit(self, state: dict) -> None:
+        self._raise()
+        with self._cond:
+            self._pending = json.dumps(state) + "\n"  # as it is now: the caller goes on changing it
+            self._cond.notify()
+
+    def close(self) -> None:
+        """Wait until the newest state is written."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify()
+        self._thread.join()
+        self._raise()
+
+    def abandon(self) -> None:
+        """Stop without writing what waits (the sync under way, if any, finishes first)."""
+        with self._cond:
+            self._pending, self._closing = None, True
+            self._cond.notify()
+        self._thread.join()
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error  # as a write here would have: a full disk is not bad input
+
+    def _run(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closing:
+                    self._cond.wait()
+                text, self._pending = self._pending, None
+            if text is None:
+                return
+            try:
+                for fd in self._fds:
+                    os.fsync(fd)
+                atomic_write_text(self._work / "state.json", text)
+            except OSError as e:
+                self._error = e
+                return
 
 
 def _kind(task) -> str:

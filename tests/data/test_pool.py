@@ -66,3 +66,17 @@ def test_an_error_is_raised_in_its_turn(tmp_path):
                 for _, tag in pool.imap(items, local=local):
                     seen.append(tag)
         assert seen == list(range(6))
+
+
+def test_a_worker_ignores_ctrl_c_from_its_first_instruction():
+    """Ctrl-C reaches the whole process group; a worker forked while it arrives must not print a traceback, so it
+    starts with SIGINT ignored (not only once `_worker` runs): a process that raises SIGINT at once exits cleanly."""
+    import signal
+
+    from rwkvx_cli.data.pool import _forkserver
+
+    p = _forkserver().Process(target=signal.raise_signal, args=(signal.SIGINT,))
+    p.start()
+    p.join(timeout=30)
+    assert p.exitcode == 0
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process keeps its own handler
