@@ -45,6 +45,7 @@ class EncoderSpec:
     rule: str  # CutRule.name
     piece_chars: int
     max_chars: int
+    world_table: tuple[bytes, ...] | None = None  # the World vocabulary's token bytes by id: no worker parses its file
 
 
 @dataclass(frozen=True)
@@ -129,7 +130,7 @@ class Encoder:
         if spec.kind == "world":
             from rwkvx_cli.data.world import WorldTokenizer, _NativeEngine
 
-            tok = tokenizer if tokenizer is not None else WorldTokenizer(engine=spec.world_engine)
+            tok = tokenizer if tokenizer is not None else WorldTokenizer(spec.world_engine, table=spec.world_table)
             engine = tok._engine
             if isinstance(engine, _NativeEngine) and self.dtype == np.dtype("<u2"):
                 return engine.encode_packed  # straight into uint16

@@ -222,6 +222,7 @@ def prepare(
         rule=rule.name,
         piece_chars=corpus.PIECE_CHARS,
         max_chars=corpus._MAX_CARRY,
+        world_table=tuple(tok.table) if tok.kind == "world" else None,
     )
 
     claim_dir(out_dir, DATA_MARKER)

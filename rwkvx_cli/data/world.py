@@ -212,20 +212,23 @@ def rust_available() -> bool:
 
 class WorldTokenizer:
     """The RWKV World tokenizer (id 0 = end of document). `engine`: "native", "rust", "python" or None (the first of
-    those that works here, decided on the first encode)."""
+    those that works here, decided on the first encode). `table`: the token bytes by id (`.table` of another
+    instance), so that the vocab file is not read again (a tokenizer worker gets its parent's)."""
 
     kind = "world"
     vocab_size = VOCAB_SIZE
     eod_id = EOD_ID
     vocab_name = VOCAB_NAME
 
-    def __init__(self, engine: str | None = None):
+    def __init__(self, engine: str | None = None, table: Sequence[bytes] | None = None):
         if engine is not None and engine not in ENGINES:
             raise UsageError(f"unknown World tokenizer engine {engine!r} (rust or python)")
         if engine == "rust" and not rust_available():
             raise UsageError("the rust World tokenizer needs pyrwkv-tokenizer: pip install pyrwkv-tokenizer")
         self.engine = engine
-        self._table: list[bytes] | None = None
+        if table is not None and len(table) != VOCAB_SIZE:
+            raise DataError(f"a World table has {VOCAB_SIZE} entries, not {len(table)}")
+        self._table: list[bytes] | None = None if table is None else list(table)
         self._impl: _RustEngine | _PythonEngine | None = None  # built on first encode: decoding needs only the table
 
     @property

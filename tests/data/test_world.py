@@ -193,3 +193,15 @@ def test_native_refuses_a_vocab_greedy_match_cannot_use():
     ids, counts = engine.encode_packed(["", "a", "hello world", "\U0010ffff"])
     assert counts.tolist() == [0, 1, 2, 4] and ids.tolist() == [98, 34550, 40213, 245, 144, 192, 192]
     assert engine.encode_packed([])[0].size == 0 and engine.encode_batch([]) == []
+
+
+def test_a_table_handed_over_is_used_instead_of_the_vocab_file(monkeypatch):
+    """prepare's workers get the parent's table (no 65,536-line parse each): the same ids, and the file unread."""
+    import rwkvx_cli.data.world as world
+
+    table = WorldTokenizer().table
+    monkeypatch.setattr(world, "read_vocab", lambda *a: pytest.fail("the vocab file was read"))
+    tok = WorldTokenizer(table=tuple(table))
+    assert tok.encode("hello world") == [34550, 40213] and tok.decode([34550, 40213]) == "hello world"
+    with pytest.raises(DataError, match="65536 entries, not 3"):
+        WorldTokenizer(table=[b"", b"a", b"b"])
