@@ -404,3 +404,26 @@ def test_cli_options_are_checked_in_one_line(tmp_path):
     assert bad.returncode == 2 and bad.stderr.strip() == "error: shard_index must be in 0..1 (num_shards 2), got 2"
     ok = subprocess.run([*base, "--workers", "3", "--val-fraction", "0"], env=_env(), capture_output=True, text=True)
     assert ok.returncode == 0 and "prepared 1 documents" in ok.stdout and "tokenizing" in ok.stderr
+
+
+def test_a_unit_whose_tokens_cannot_be_synced_gets_no_state(tmp_path):
+    """The state file says a unit is done only after its tokens are on disk; a failed fsync is raised (at the next
+    unit or at the end), not lost in the thread that syncs."""
+    from rwkvx_cli.data.prepare import _Syncer
+
+    r, w = os.pipe()  # fsync of a pipe fails (EINVAL)
+    try:
+        syncer = _Syncer(tmp_path, [r])
+        syncer.submit({"units_done": 1})
+        with pytest.raises(OSError):
+            syncer.close()
+        assert not (tmp_path / "state.json").exists()
+        syncer.abandon()  # after the error, as prepare's cleanup calls it: returns
+    finally:
+        os.close(r)
+        os.close(w)
+    ok = _Syncer(tmp_path, [])
+    ok.submit({"units_done": 1})
+    ok.submit({"units_done": 2})  # the newest state wins
+    ok.close()
+    assert json.loads((tmp_path / "state.json").read_text()) == {"units_done": 2}
