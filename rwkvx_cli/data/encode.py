@@ -335,24 +335,20 @@ def count_line_starts(path: Path, offset: int) -> int:
 
 
 def unit_tasks(
-    path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int, taper: int = 0
+    path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int, processes: int = 1, first: bool = False,
+    last: bool = False,
 ) -> Iterator[tuple[Task | ReadFailure, int]]:
     """(task, input bytes it accounts for) for bytes [start, end) of one input (a whole file unless it is an
-    uncompressed JSONL split by range). `taper` > 0 (the job's last unit, that many processes): the ranges shrink
-    toward the end, down to an eighth of batch_bytes, so that the processes finish close together instead of all
-    but one waiting for a last full-size task."""
+    uncompressed JSONL split by range). `processes` tokenize; `first` / `last`: the job's first / last unit
+    (`ranges`)."""
     fmt = corpus.input_format(path)
     if fmt is None:
         yield ReadFailure(f"{path}: unsupported input type; rwkvx reads {corpus.SUPPORTED}"), end - start
         return
     try:
         if fmt.kind == "jsonl" and fmt.compression is None:
-            a = start
-            while a < end:
-                size = min(batch_bytes, max(batch_bytes // 8, (end - a) // (2 * taper), 1)) if taper else batch_bytes
-                b = min(end, a + size)
+            for a, b in ranges(start, end, batch_bytes, processes, first, last):
                 yield RangeTask(str(path), a, b), b - a
-                a = b
         elif fmt.kind == "jsonl":
             yield from _compressed_jsonl_tasks(path, fmt.compression, batch_bytes)
         elif fmt.kind == "text":
@@ -365,6 +361,25 @@ def unit_tasks(
         yield ReadFailure(f"input file not found: {path}"), 0
     except OSError as e:
         yield ReadFailure(f"cannot read input {path}: {e.strerror}"), 0
+
+
+def ranges(
+    start: int, end: int, batch_bytes: int, processes: int = 1, first: bool = False, last: bool = False
+) -> Iterator[tuple[int, int]]:
+    """[a, b) ranges one after another over [start, end), batch_bytes each. With more than one process, the job's
+    first ranges grow from batch_bytes / 64, doubling (this process runs the first while the workers start: one of
+    full size kept them waiting for it, a second and more with BPE), and its last shrink toward the end, each a
+    quarter of what is left per process, down to batch_bytes / 64 (so the processes finish close together instead
+    of all but one waiting on a last full-size task)."""
+    floor = max(1, batch_bytes // 64)
+    parallel = processes > 1
+    size = floor if first and parallel else batch_bytes
+    a = start
+    while a < end:
+        step = min(size, max(floor, (end - a) // (4 * processes))) if last and parallel else size
+        b = min(end, a + step)
+        yield a, b
+        a, size = b, min(batch_bytes, size * 2)
 
 
 def _compressed_jsonl_tasks(path: Path, compression: str, batch_bytes: int) -> Iterator[tuple[LinesTask, int]]:

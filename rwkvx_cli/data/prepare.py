@@ -400,11 +400,12 @@ class _Tokenizing:
                 f.close()
 
     def _items(self, spec: EncoderSpec, batch_bytes: int, processes: int) -> Iterator[tuple]:
-        for ui in range(self.state["units_done"], len(self.units)):
+        first = self.state["units_done"]
+        for ui in range(first, len(self.units)):
             unit = self.units[ui]
             path = self.inputs[unit.source]
-            taper = processes if processes > 1 and ui == len(self.units) - 1 else 0
-            for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes, taper):
+            edges = {"first": ui == first, "last": ui == len(self.units) - 1}
+            for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes, processes, **edges):
                 yield task, (ui, nbytes, _kind(task))
                 if isinstance(task, ReadFailure):
                     return

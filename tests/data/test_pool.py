@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from rwkvx_cli.data import DataError
-from rwkvx_cli.data.encode import Encoder, EncoderSpec, RangeTask, ReadFailure, UnitEnd
+from rwkvx_cli.data.encode import Encoder, EncoderSpec, RangeTask, ReadFailure, UnitEnd, ranges
 from rwkvx_cli.data.pool import worker_pool
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -80,3 +80,20 @@ def test_a_worker_ignores_ctrl_c_from_its_first_instruction():
     p.join(timeout=30)
     assert p.exitcode == 0
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process keeps its own handler
+
+
+@pytest.mark.parametrize(("processes", "first", "last"), [(1, True, True), (2, False, False), (2, True, False),
+                                                          (2, False, True), (3, True, True)])
+def test_ranges_cover_the_unit_once_and_grow_and_shrink_only_with_workers(processes, first, last):
+    batch, start, end = 4096, 1000, 1000 + 50 * 4096 + 123
+    got = list(ranges(start, end, batch, processes, first, last))
+    assert got[0][0] == start and got[-1][1] == end and all(a[1] == b[0] for a, b in zip(got, got[1:], strict=False))
+    sizes = [b - a for a, b in got]
+    assert max(sizes) == batch and min(sizes[:-1]) >= batch // 64
+    if processes == 1 or not (first or last):
+        assert sizes[:-1] == [batch] * (len(sizes) - 1)  # plain batches
+    if processes > 1 and first:
+        assert sizes[:7] == [64, 128, 256, 512, 1024, 2048, 4096]  # this process runs these while workers start
+    if processes > 1 and last:
+        tail = sizes[sizes.index(batch) : -1]
+        assert tail == sorted(tail, reverse=True) and tail[-1] == batch // 64  # they shrink to the end
