@@ -45,7 +45,8 @@ class EncoderSpec:
     rule: str  # CutRule.name
     piece_chars: int
     max_chars: int
-    world_table: tuple[bytes, ...] | None = None  # the World vocabulary's token bytes by id: no worker parses its file
+    # The World vocabulary's token bytes by id, so that no worker parses its file (65,536 entries: not in a repr).
+    world_table: tuple[bytes, ...] | None = field(default=None, repr=False, compare=False)
 
 
 @dataclass(frozen=True)
