@@ -193,13 +193,23 @@ class WorkerPool:
 
 def _forkserver():
     """The forkserver context, its server started (a no-op when it runs). The server imports the encoder once; each
-    worker is a fork of it (milliseconds, no re-import)."""
-    from multiprocessing import forkserver
+    worker is a fork of it (milliseconds, no re-import).
+
+    Ctrl-C reaches the whole process group and this process stops the workers, so neither the server nor a worker
+    may take it: the server starts with SIGINT blocked (a signal mask survives exec and fork), so that no Ctrl-C
+    while it imports, or while a worker starts, prints a traceback from them. The resource tracker is started first:
+    its own start unblocks SIGINT in the calling thread."""
+    from multiprocessing import forkserver, resource_tracker
 
     ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(["rwkvx_cli.data._forkserver_init", "rwkvx_cli.data.encode"])
-    with _main_not_imported():
-        forkserver.ensure_running()
+    ctx.set_forkserver_preload(["rwkvx_cli.data.encode"])
+    resource_tracker.ensure_running()
+    blocked = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        with _main_not_imported():
+            forkserver.ensure_running()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
     return ctx
 
 
@@ -293,7 +303,7 @@ def _die_with(owner: int) -> None:
 
 
 def _worker(tasks, results, spec, owner: int) -> None:
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # as forked already (_forkserver_init): the owner stops us
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # and blocked since the fork (_forkserver): the owner stops us
     _die_with(owner)
     os.environ["TOKENIZERS_PARALLELISM"] = "false"  # one core per worker
     inbox: queue.SimpleQueue = queue.SimpleQueue()

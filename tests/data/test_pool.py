@@ -68,10 +68,12 @@ def test_an_error_is_raised_in_its_turn(tmp_path):
         assert seen == list(range(6))
 
 
-def test_a_worker_ignores_ctrl_c_from_its_first_instruction():
-    """Ctrl-C reaches the whole process group; a worker forked while it arrives must not print a traceback, so it
-    starts with SIGINT ignored (not only once `_worker` runs): a process that raises SIGINT at once exits cleanly."""
+def test_the_forkserver_and_its_workers_never_take_ctrl_c():
+    """Ctrl-C reaches the whole process group; a forkserver importing its preloads, or a worker starting, while it
+    arrives must not print a traceback: both run with SIGINT blocked from their first instruction. A worker that
+    raises SIGINT at once exits cleanly, and this process keeps its own handler and mask."""
     import signal
+    from multiprocessing import forkserver
 
     from rwkvx_cli.data.pool import _forkserver
 
@@ -79,7 +81,13 @@ def test_a_worker_ignores_ctrl_c_from_its_first_instruction():
     p.start()
     p.join(timeout=30)
     assert p.exitcode == 0
-    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # this process keeps its own handler
+    server = Path(f"/proc/{forkserver._forkserver._forkserver_pid}/status")
+    if server.exists():  # Linux
+        mask = next(line for line in server.read_text().splitlines() if line.startswith("SigBlk:")).split()[1]
+        blocked = int(mask, 16)
+        assert blocked & (1 << (signal.SIGINT - 1))
+    assert signal.getsignal(signal.SIGINT) is signal.default_int_handler
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, set())
 
 
 @pytest.mark.parametrize(("processes", "first", "last"), [(1, True, True), (2, False, False), (2, True, False),
