@@ -51,3 +51,17 @@ def triton_backend(name: str, fn: Callable, summary: str, unavailable: Callable[
 def reference_backend(fn: Callable, summary: str = ORACLE) -> Backend:
     """The op's oracle: gradcheck's gate A compares against it; never picked by "auto"."""
     return Backend("reference", fn, summary, production=False)
+
+
+def block_backends(op: str, reference: Callable, cpu=None, triton=None) -> dict[str, Backend]:
+    """The table of a fused block op (docs/operators.md#fused-block-ops): its fused C++ kernel
+    (`cpu`) and Triton kernels (`triton`), each a (fn, summary, unavailable) triple, then the
+    reference, the torch composition the unfused model runs: fp64, the gradient-check oracle; in
+    fp32 and bf16, the in-run baseline of `rwkvx bench` (and what "auto" falls back to)."""
+    rows = []
+    if cpu is not None:
+        rows.append(cpu_backend(*cpu))
+    if triton is not None:
+        rows.append(triton_backend("triton", *triton))
+    summary = f"the unfused torch composition, autograd backward (the fp64 oracle of {op})"
+    return backend_table(*rows, reference_backend(reference, summary))

@@ -36,3 +36,35 @@ def check_state(name: str, state: torch.Tensor, shape: tuple[int, ...], device: 
         raise ValueError(f"{name} must be a floating-point tensor, got {state.dtype}")
     if state.device != device:
         raise ValueError(f"{name} is on {state.device} but the inputs are on {device}")
+
+
+def check_rows(name: str, x: torch.Tensor, ndim: int) -> None:
+    """A floating-point tensor of `ndim` dimensions, each >= 1."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if x.dim() != ndim:
+        raise ValueError(f"{name} must have {ndim} dimensions, got shape {tuple(x.shape)}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if min(x.shape) < 1:
+        raise ValueError(f"{name} needs every dimension >= 1, got shape {tuple(x.shape)}")
+
+
+def per_channel(name: str, x: torch.Tensor, C: int, device: torch.device) -> torch.Tensor:
+    """A per-channel parameter of any shape holding C values ([C], [1, 1, C], [H, N]) as [C]. It may
+    have another floating dtype than the activations (fp32 parameters with bf16 activations)."""
+    if not isinstance(x, torch.Tensor):
+        raise ValueError(f"{name} must be a torch.Tensor, got {type(x).__name__}")
+    if not x.is_floating_point():
+        raise ValueError(f"{name} must be a floating-point tensor, got {x.dtype}")
+    if x.numel() != C:
+        raise ValueError(f"{name} must hold {C} values (one per channel), got shape {tuple(x.shape)}")
+    if x.device != device:
+        raise ValueError(f"{name} is on {x.device} but the inputs are on {device}")
+    return x.reshape(C)
+
+
+def check_eps(eps: float) -> float:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or eps != eps or eps == float("inf"):
+        raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
+    return float(eps)

@@ -23,9 +23,10 @@ class Backend:
 
     `fn` takes the op's inputs positionally, then the state (a tensor, or a
     tuple for ops with several state tensors), then the op's keyword options,
-    and returns `(y, state_out)`. An op without state (attention) takes no
-    state argument and returns `y` alone. Inputs have already been validated
-    by the op's public function.
+    and returns `(y, state_out)`. An op without state (attention, the fused
+    block ops) takes no state argument and returns `y` alone. `y` is one tensor,
+    or for an op with several outputs (`OpSpec.outputs`) a tuple of them. Inputs
+    have already been validated by the op's public function.
     """
 
     name: str
@@ -52,6 +53,9 @@ class Case:
     dims: dict[str, int]
     nonzero_state: bool = False
     options: dict[str, object] = field(default_factory=dict)
+    # Optional inputs this case leaves out: the op gets None for them, and no gradient of
+    # theirs is checked (rwkv7_prep in the first layer, which has no value residual).
+    absent: tuple[str, ...] = ()
 
     def scaled(self, size: int) -> Case:
         """The same case with the time dimension multiplied by `size`."""
@@ -72,6 +76,9 @@ class OpSpec:
     fd_case: Case
     backends: dict[str, Backend]
     reference: str = "reference"
+    # The op's outputs, in the order it returns them: one (`y`, a tensor), several (a tuple of that
+    # many), or None: a tuple of any length (shift_mix, one per lerp), named y0, y1, ...
+    outputs: tuple[str, ...] | None = ("y",)
     # Scale of the gradient check's random cotangents, for y then each state.
     # With the sampler's input scales they keep every checked quantity where
     # the 1e-6 floor of the relative error sits above fp32 rounding.
@@ -87,18 +94,41 @@ class OpSpec:
     kwargs: Callable[[Case], dict[str, object]] = lambda case: {}
     # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
     derived: dict[str, Callable[[Tensors, Tensors], torch.Tensor]] = field(default_factory=dict)
+    # The sizes the GPU compile gate records this op's Triton kernels at, each a dict of dims
+    # overriding the gradient-check case's (default: H = 1 at each of its head sizes N). The
+    # fused block ops, whose kernels tile the model width C = H·N, name production widths.
+    compile_dims: tuple[dict[str, int], ...] = ()
 
-    def call(self, bk: Backend, tensors: Tensors, case: Case) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        """Run backend `bk` on named tensors with the case's options: (y, states_out as a tuple).
-        Calls the backend itself, not the public function, so a spec may carry backends
-        that are not registered (the tests' planted bugs)."""
-        inputs = [tensors[n] for n in self.inputs]
+    def call(
+        self, bk: Backend, tensors: Tensors, case: Case
+    ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+        """Run backend `bk` on named tensors with the case's options: (outputs, states_out), each
+        a tuple (one output `y` for most ops; `self.outputs` names them). Calls the backend
+        itself, not the public function, so a spec may carry backends that are not registered
+        (the tests' planted bugs). A case's absent inputs are passed as None."""
+        inputs = [None if n in case.absent else tensors[n] for n in self.inputs]
         kwargs = self.kwargs(case)
         if not self.states:
-            return bk.fn(*inputs, **kwargs), ()
+            return self._outputs(bk.fn(*inputs, **kwargs)), ()
         states = tuple(tensors[n] for n in self.states)
         y, state_out = bk.fn(*inputs, states if len(states) > 1 else states[0], **kwargs)
-        return y, tuple(state_out) if isinstance(state_out, (tuple, list)) else (state_out,)
+        return self._outputs(y), tuple(state_out) if isinstance(state_out, (tuple, list)) else (state_out,)
+
+    def _outputs(self, y) -> tuple[torch.Tensor, ...]:
+        if self.outputs is None:
+            return tuple(y)
+        outs = tuple(y) if len(self.outputs) > 1 else (y,)
+        if len(outs) != len(self.outputs):
+            raise ValueError(f"{self.name} returned {len(outs)} outputs, not {len(self.outputs)} ({self.outputs})")
+        return outs
+
+    def output_names(self, n: int) -> tuple[str, ...]:
+        """The names of a call's `n` outputs (gradient-check columns)."""
+        return self.outputs if self.outputs is not None else tuple(f"y{i}" for i in range(n))
+
+    def checked(self, case: Case) -> list[str]:
+        """The inputs and states whose gradients a case checks: all but its absent inputs."""
+        return [n for n in (*self.inputs, *self.states) if n not in case.absent]
 
     def production_backends(self) -> list[Backend]:
         return [bk for bk in self.backends.values() if bk.production]

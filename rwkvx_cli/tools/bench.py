@@ -122,7 +122,7 @@ def bench_op(
         memory = torch.cuda.max_memory_allocated(device) / 2**20
     else:
         (y, s), saved = _saved_bytes(call) if grad else (call(), 0)
-        memory = (saved + y.nbytes + sum(x.nbytes for x in s)) / 2**20
+        memory = (saved + sum(x.nbytes for x in (*y, *s))) / 2**20
     med = statistics.median(times)
     q = statistics.quantiles(times, n=10) if len(times) >= 2 else [med] * 9
     flops = spec.flops(dims, mode)

@@ -192,26 +192,37 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
             for bk in spec.backends.values():
                 if "triton" not in bk.name or not bk.production or bk.unavailable() is not None:
                     continue
-                for N in head_sizes:
+                for dims in _compile_dims(spec, head_sizes):
+                    N = dims["N"]
                     wide = name in WIDE_VALUE and N == min(head_sizes)  # one N is enough: the same kernel
                     widths = [{}] + ([{"E": WIDE_VALUE[name] * N, "Hv": 1}] if wide else [])
+                    width = f" C={dims['H'] * N}" if dims["H"] > 1 else ""
                     for dt in dtypes:
                         for extra in widths:
                             tag = f" E={extra['E']}" if extra else ""
-                            origin[0] = f"{name}/{bk.name} N={N}{tag} {dt}"
-                            _run_backend(spec, bk, N, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt], extra)
+                            origin[0] = f"{name}/{bk.name} N={N}{width}{tag} {dt}"
+                            _run_backend(spec, bk, dims, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt], extra)
     finally:
         InterpretedFunction.run = original
     return list(seen.values())
 
 
-def _run_backend(spec, bk, N: int, T: int, dtype, options: dict | None = None) -> None:
+def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
+    """The sizes an op's kernels are recorded at: its own `compile_dims` at these head sizes, or
+    one head (H = 1) of each head size."""
+    if spec.compile_dims:
+        return [{"H": 1, **d} for d in spec.compile_dims if d["N"] in head_sizes]
+    return [{"H": 1, "N": N} for N in head_sizes]
+
+
+def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None) -> None:
     import torch
 
     from rwkvx_cli.ops.registry import Case
 
     base = spec.fd_case
-    dims = {**base.dims, "B": 1, "H": 1, "T": T, "N": N}
+    N = sizes["N"]
+    dims = {**base.dims, "B": 1, "T": T, **sizes}
     case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **(options or {})})
     tensors = spec.sample(case, torch.Generator().manual_seed(0))
     inputs = {
@@ -219,7 +230,7 @@ def _run_backend(spec, bk, N: int, T: int, dtype, options: dict | None = None) -
         for k, v in tensors.items()
     }
     y, states = spec.call(bk, inputs, case)
-    loss = y.float().square().sum() + sum(s.float().square().sum() for s in states)
+    loss = sum(o.float().square().sum() for o in (*y, *states))
     loss.backward()
 
 

@@ -118,13 +118,13 @@ def compare(name: str, got: torch.Tensor, ref: torch.Tensor, is_grad: bool, rms_
 
 
 def _loss(y, states_out, cot: list[torch.Tensor]) -> torch.Tensor:
-    outs = (y, *states_out)
+    outs = (*y, *states_out)
     return sum((o.to(c.dtype) * c).sum() for o, c in zip(outs, cot, strict=True))
 
 
 def _cotangents(spec: OpSpec, y, states_out, gen: torch.Generator) -> list[torch.Tensor]:
     """Fixed random c, uniform in ±scale/2 per output, exactly representable in fp32."""
-    outs = (y, *states_out)
+    outs = (*y, *states_out)
     scales = spec.cotangent_scales or (1.0,) * len(outs)
     return [
         (scale * (torch.rand(o.shape, generator=gen, dtype=torch.float64) - 0.5)).float().double()
@@ -144,15 +144,24 @@ def _grads(
         for n, t in tensors.items()
     }
     y, states_out = spec.call(backend, leaves, case)
-    _loss(y, states_out, [c.to(device=y.device, dtype=wide) for c in cot]).backward()
+    _loss(y, states_out, [c.to(device=y[0].device, dtype=wide) for c in cot]).backward()
     grads = {n: leaves[n].grad if leaves[n].grad is not None else torch.zeros_like(leaves[n]) for n in leaves}
-    return y.detach().cpu(), tuple(s.detach().cpu() for s in states_out), {n: g.cpu() for n, g in grads.items()}
+    return (
+        tuple(o.detach().cpu() for o in y),
+        tuple(s.detach().cpu() for s in states_out),
+        {n: g.cpu() for n, g in grads.items()},
+    )
 
 
-def _names(spec: OpSpec, tensors: Tensors) -> list[str]:
-    """The inputs and states whose gradients are checked: those with elements (an op's state may be
-    empty, as moba's key-value cache before any token)."""
-    return [n for n in (*spec.inputs, *spec.states) if tensors[n].numel()]
+def _names(spec: OpSpec, tensors: Tensors, case: Case) -> list[str]:
+    """The inputs and states whose gradients are checked: those the case passes (not absent) with
+    elements (an op's state may be empty, as moba's key-value cache before any token)."""
+    return [n for n in spec.checked(case) if tensors[n].numel()]
+
+
+def _output_columns(spec: OpSpec, y, y_ref, rms_gate: float | None = None) -> list[Column]:
+    names = spec.output_names(len(y))
+    return [compare(name, a, b, False, rms_gate) for name, a, b in zip(names, y, y_ref, strict=True)]
 
 
 def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> CaseResult:
@@ -166,9 +175,9 @@ def gate_a(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> Cas
     cot = _cotangents(spec, y0, s0, gen)
     y_ref, s_ref, g_ref = _grads(spec, tensors, ref, case, torch.float64, cot)
     y, s, g = _grads(spec, tensors, bk, case, torch.float32, cot, device)
-    cols = [compare("y", y, y_ref, is_grad=False)]
+    cols = _output_columns(spec, y, y_ref)
     cols += [compare(f"{n}_out", a, b, is_grad=False) for n, a, b in zip(spec.states, s, s_ref, strict=True)]
-    cols += [compare(f"d{n}", g[n], g_ref[n], is_grad=True) for n in _names(spec, tensors)]
+    cols += [compare(f"d{n}", g[n], g_ref[n], is_grad=True) for n in _names(spec, tensors, case)]
     cols += [compare(name, fn(tensors, g), fn(tensors, g_ref), is_grad=True) for name, fn in spec.derived.items()]
     return CaseResult("A", case.name, dict(case.dims), bk.name, "float32", cols, time.perf_counter() - start)
 
@@ -187,9 +196,9 @@ def gate_a_bf16(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -
     y_ref, s_ref, g_ref = _grads(spec, tensors, ref, case, torch.float64, cot)
     y, s, g = _grads(spec, tensors, bk, case, torch.bfloat16, cot, device)
     tol = BF16_RMS_TOLERANCE
-    cols = [compare("y", y, y_ref, False, tol)]
+    cols = _output_columns(spec, y, y_ref, tol)
     cols += [compare(f"{n}_out", a, b, False, tol) for n, a, b in zip(spec.states, s, s_ref, strict=True)]
-    cols += [compare(f"d{n}", g[n], g_ref[n], True, tol) for n in _names(spec, tensors)]
+    cols += [compare(f"d{n}", g[n], g_ref[n], True, tol) for n in _names(spec, tensors, case)]
     cols += [compare(name, fn(tensors, g), fn(tensors, g_ref), True, tol) for name, fn in spec.derived.items()]
     return CaseResult("A-bf16", case.name, dict(case.dims), bk.name, "bfloat16", cols, time.perf_counter() - start)
 
@@ -211,7 +220,7 @@ def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> Cas
 
     cols = []
     with torch.no_grad():
-        for name in _names(spec, tensors):
+        for name in _names(spec, tensors, case):
             x = tensors[name].view(-1)
             fd = torch.empty_like(x)
             for e in range(x.numel()):

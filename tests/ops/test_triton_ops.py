@@ -85,7 +85,7 @@ def run(op: str, backend: str, tensors):
     """Forward, then the gradient of a fixed random projection of every output."""
     spec = get_op(op)
     y, states = spec.call(spec.backends[backend], tensors, spec.fd_case)
-    outs = (y, *states)
+    outs = (*y, *states)
     gen = torch.Generator().manual_seed(1)
     loss = sum((o * torch.randn(o.shape, generator=gen, dtype=o.dtype).to(o.device)).sum() for o in outs)
     leaves = [t for t in tensors.values() if t.requires_grad]
@@ -329,7 +329,7 @@ def test_dynamo_traces_each_triton_backend_in_one_graph(op, backend):
     def loss(tensors):
         spec = get_op(op)
         y, states = spec.call(spec.backends[backend], tensors, spec.fd_case)
-        return y.square().sum() + sum(s.square().sum() for s in states)
+        return sum(o.square().sum() for o in (*y, *states))
 
     explained = torch._dynamo.explain(loss)(tensors)
     assert explained.graph_break_count == 0, explained.break_reasons

@@ -1,0 +1,58 @@
+"""shift_mix: LayerNorm, token shift and M lerps in one op: the inputs of RWKV's time mix (RWKV-7's
+six, RWKV-4's three) and channel mix (docs/operators.md#shift_mix).
+
+For x [B, T, C], with x̂ = LayerNorm(x) over C (weight, bias [C], `eps`) and x̂[-1] = state [B, C]
+(the last x̂ of the previous segment; zeros when None):
+
+    y_m[t] = x̂[t] + (x̂[t-1] - x̂[t]) ⊙ mix[m]          m = 0 .. M-1, mix [M, C], 1 <= M <= 8
+
+Returns ((y_0, ..., y_{M-1}), state_out): each y_m [B, T, C] in x's dtype, and state_out = x̂[T-1]
+[B, C] in fp32 (fp64 for fp64 inputs), the next segment's state. Differentiable with respect to x,
+weight, bias, mix and the state, and through state_out. weight, bias and mix may have another
+floating dtype than x (fp32 parameters with bf16 activations); their gradients come back in their
+own dtype. The registry entry (backends, gradient-check sampler and cases) is spec.py.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from rwkvx_cli.ops._checks import check_eps, check_rows, check_state, per_channel
+from rwkvx_cli.ops.registry import get_op, resolve_backend
+
+INPUTS = ("x", "weight", "bias", "mix")
+STATES = ("state",)
+MAX_MIXES = 8  # the kernels take at most this many lerps
+
+
+def shift_mix(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    bias: torch.Tensor,
+    mix: torch.Tensor,
+    state: torch.Tensor | None = None,
+    *,
+    eps: float = 1e-5,
+    backend: str = "auto",
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
+    """LayerNorm(x), then its M token-shift lerps; returns ((y_0, ..., y_{M-1}), state_out)."""
+    check_rows("x", x, 3)
+    B, T, C = x.shape
+    weight = per_channel("weight", weight, C, x.device)
+    bias = per_channel("bias", bias, C, x.device)
+    if not isinstance(mix, torch.Tensor) or not mix.is_floating_point():
+        raise ValueError(f"mix must be a floating-point torch.Tensor, got {type(mix).__name__}")
+    if mix.dim() != 2 or mix.shape[1] != C or not 1 <= mix.shape[0] <= MAX_MIXES:
+        raise ValueError(f"mix must have shape [M, {C}] with 1 <= M <= {MAX_MIXES}, got {tuple(mix.shape)}")
+    if mix.device != x.device:
+        raise ValueError(f"mix is on {mix.device} but x is on {x.device}")
+    eps = check_eps(eps)
+    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+    if state is None:
+        state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
+    else:
+        check_state("state", state, (B, C), x.device)
+    bk = resolve_backend(get_op("shift_mix"), backend, x.device)
+    if x.dtype == torch.float64 and not bk.supports_fp64:
+        raise ValueError(f"backend {bk.name!r} of shift_mix does not support float64 inputs")
+    return bk.fn(x, weight, bias, mix, state, eps=eps)
