@@ -1,0 +1,91 @@
+"""What the `cpu` and `triton` backends of channel_mix share: one autograd Function around the two
+matmuls (torch's: MKL/oneDNN on the CPU, cuBLAS on CUDA) and a backend's elementwise kernels:
+
+    shift_fwd(x, weight, bias, mix [1, C], state, eps) -> (x_k, state_out, mean, rstd)
+        shift_mix's forward kernel with one lerp: x_k in the compute dtype, the LayerNorm's
+        per-row mean and 1/std [B, T] kept for the backward
+    shift_bwd(dx_k, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+        -> (dx, dweight, dbias, dmix [1, C], dstate)
+        its backward, with the residual's gradient dx_add added into dx
+    relu2_fwd(h) -> relu(h)²            relu2_bwd(da, a) -> 2 sqrt(a) da
+
+The forward keeps x (the block's residual stream, alive anyway), the LayerNorm's statistics, x_k
+and a = relu(h)² (what the two weight gradients need) and nothing of h: relu²'s gradient is
+taken from its output, 2 relu(h) = 2 sqrt(a), as RWKV-LM's channel-mix kernel does. Under
+autocast the matmuls run in its dtype (x_k, a and the weights cast once, in the forward) and the
+residual sum in x's; the elementwise kernels always run in fp32 (fp64 for fp64 inputs).
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class Kernels(NamedTuple):
+    shift_fwd: object
+    shift_bwd: object
+    relu2_fwd: object
+    relu2_bwd: object
+
+
+def matmul_dtype(x: torch.Tensor) -> torch.dtype:
+    """The dtype nn.Linear would run in here: autocast's when it is on for x's device, else x's."""
+    kind = x.device.type
+    if torch.is_autocast_enabled(kind):
+        return torch.get_autocast_dtype(kind)
+    return x.dtype
+
+
+class ChannelMix(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mix, key, value, state, eps, kernels: Kernels):
+        B, T, C = x.shape
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        mm = matmul_dtype(x)
+        with torch.autocast(x.device.type, enabled=False):
+            params = [p.detach().to(cdt).contiguous() for p in (weight, bias, mix.reshape(1, C))]
+            s0 = state.detach().to(cdt).contiguous()
+            xd = x.detach().contiguous()
+            xk, s_out, mean, rstd = kernels.shift_fwd(xd, *params, s0, eps)
+            xk = xk.view(B * T, C).to(mm)
+            kw, vw = key.detach().to(mm), value.detach().to(mm)
+            a = kernels.relu2_fwd(xk @ kw.t())
+            if mm == x.dtype:
+                y = torch.addmm(xd.view(B * T, C), a, vw.t())
+            else:  # the residual sum in x's dtype (fp32 under bf16 autocast), as x + ffn(...) is
+                y = xd.view(B * T, C) + a @ vw.t()
+        ctx.save_for_backward(xd, *params, s0, mean, rstd, xk, a, kw, vw)
+        ctx.eps, ctx.kernels = eps, kernels
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, key.dtype, value.dtype, state.dtype)
+        ctx.mix_shape = mix.shape
+        return y.view(B, T, C).to(x.dtype), s_out
+
+    @staticmethod
+    def backward(ctx, dy, ds_out):
+        x, weight, bias, mix, s0, mean, rstd, xk, a, kw, vw = ctx.saved_tensors
+        B, T, C = x.shape
+        k = ctx.kernels
+        cdt = weight.dtype
+        dy = dy.reshape(B * T, C)
+        dy_mm = dy.to(xk.dtype)
+        da = dy_mm @ vw
+        dvalue = dy_mm.t() @ a
+        dh = k.relu2_bwd(da, a)
+        dxk = (dh @ kw).to(cdt).view(B, T, C)
+        dkey = dh.t() @ xk
+        dx, dweight, dbias, dmix, dstate = k.shift_bwd(
+            dxk, ds_out.to(cdt).contiguous(), x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C)
+        )
+        grads = (dx, dweight, dbias, dmix.view(ctx.mix_shape), dkey, dvalue, dstate)
+        return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
+
+
+def channel_mix_with(kernels: Kernels):
+    """A channel_mix backend function over these kernels."""
+
+    def fn(x, weight, bias, mix, key, value, state, *, eps: float = 1e-5):
+        return ChannelMix.apply(x, weight, bias, mix, key, value, state, eps, kernels)
+
+    return fn

@@ -1,0 +1,116 @@
+"""The fused block ops (shift_mix, rwkv7_prep, rwkv7_out, channel_mix): what the registry-wide tests
+(both gradient-check gates on every backend, bench, the compile gate) do not already cover.
+
+The backward math of shift_mix, written out here in torch as the kernels compute it (checked
+against autograd's), and the channel_mix Function (ops/channel_mix/fused.py) over these torch
+kernels: its matmuls, its relu² gradient from the output, its autocast handling."""
+
+import torch
+import torch.nn.functional as F
+
+from rwkvx_cli.ops import get_op
+from rwkvx_cli.ops.channel_mix.fused import Kernels, channel_mix_with
+from rwkvx_cli.tools.gradcheck import gate_a, gate_b
+
+
+def shift_fwd(x, weight, bias, mix, state, eps):
+    """shift_mix's forward as its kernels compute it: LayerNorm statistics, x̂, the lerps."""
+    mean = x.mean(-1)
+    var = (x - mean[..., None]).pow(2).mean(-1)
+    rstd = torch.rsqrt(var + eps)
+    xn = (x - mean[..., None]) * rstd[..., None] * weight + bias
+    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1)
+    ys = [xn + (prev - xn) * mix[m] for m in range(mix.shape[0])]
+    return ys, xn[:, -1].clone(), mean, rstd
+
+
+def shift_bwd(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add=None):
+    """Its backward, by hand: with n = (x - mean) rstd, x̂ = n weight + bias and
+    y_m[t] = x̂[t] (1 - mix_m) + x̂[t-1] mix_m,
+
+        dx̂[t]  = Σ_m dy_m[t] (1 - mix_m) + Σ_m dy_m[t+1] mix_m      (+ dstate_out at t = T-1)
+        dmix_m = Σ_{b,t} dy_m[t] (x̂[t-1] - x̂[t])                    dstate = Σ_m dy_m[0] mix_m
+        dweight = Σ dx̂ n    dbias = Σ dx̂    g = dx̂ weight
+        dx = rstd (g - mean_C(g) - n mean_C(g n))                     (+ dx_add)"""
+    n = (x - mean[..., None]) * rstd[..., None]
+    xn = n * weight + bias
+    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1)
+    dxn = sum(dy * (1 - m) for dy, m in zip(dys, mix, strict=True))
+    nxt = sum(dy[:, 1:] * m for dy, m in zip(dys, mix, strict=True))
+    dxn = dxn + F.pad(nxt, (0, 0, 0, 1))
+    dxn[:, -1] += dstate_out
+    dmix = torch.stack([(dy * (prev - xn)).sum((0, 1)) for dy in dys])
+    dstate = sum(dy[:, 0] * m for dy, m in zip(dys, mix, strict=True))
+    dweight, dbias = (dxn * n).sum((0, 1)), dxn.sum((0, 1))
+    g = dxn * weight
+    dx = rstd[..., None] * (g - g.mean(-1, keepdim=True) - n * (g * n).mean(-1, keepdim=True))
+    if dx_add is not None:
+        dx = dx + dx_add
+    return dx, dweight, dbias, dmix, dstate
+
+
+def _shift_fwd1(x, weight, bias, mix, state, eps):
+    ys, s_out, mean, rstd = shift_fwd(x, weight, bias, mix, state, eps)
+    return ys[0], s_out, mean, rstd
+
+
+def _shift_bwd1(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
+    return shift_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+
+
+TORCH_KERNELS = Kernels(
+    _shift_fwd1,
+    _shift_bwd1,
+    lambda h: torch.relu(h).square(),
+    lambda da, a: 2 * a.sqrt() * da,
+)
+
+
+def test_the_shift_mix_backward_by_hand_is_autograd_s():
+    spec = get_op("shift_mix")
+    gen = torch.Generator().manual_seed(0)
+    case = spec.cases[2]
+    t = {n: v.requires_grad_(True) for n, v in spec.sample(case, gen).items()}
+    ys, s_out = spec.backends["reference"].fn(t["x"], t["weight"], t["bias"], t["mix"], t["state"], eps=1e-5)
+    dys = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ys]
+    ds = torch.randn(s_out.shape, generator=gen, dtype=torch.float64)
+    want = torch.autograd.grad([*ys, s_out], [t[n] for n in ("x", "weight", "bias", "mix", "state")], [*dys, ds])
+    with torch.no_grad():
+        _, _, mean, rstd = shift_fwd(t["x"], t["weight"], t["bias"], t["mix"], t["state"], 1e-5)
+        got = shift_bwd(dys, ds, t["x"], t["weight"], t["bias"], t["mix"], t["state"], mean, rstd)
+    for name, g, w in zip(("x", "weight", "bias", "mix", "state"), got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
+
+
+def test_the_channel_mix_function_passes_both_gates_over_torch_kernels():
+    spec = get_op("channel_mix")
+    from rwkvx_cli.ops.registry import Backend
+
+    bk = Backend("torch_kernels", channel_mix_with(TORCH_KERNELS), "the Function over torch kernels")
+    for i, case in enumerate(spec.cases):
+        result = gate_a(spec, bk, case, seed=i)
+        assert result.passed, [(c.name, c.max_rel) for c in result.columns if not c.passed]
+    result = gate_b(spec, bk, spec.fd_case, seed=0)
+    assert result.passed, [(c.name, c.max_rel) for c in result.columns if not c.passed]
+
+
+def test_the_channel_mix_function_follows_autocast_as_the_composition_does():
+    """Under bf16 autocast: the matmuls in bf16, the residual sum and the state in fp32, and values
+    and gradients within bf16's rounding of the torch composition's under the same autocast."""
+    spec = get_op("channel_mix")
+    case = spec.cases[1]
+    t = {n: v.float() for n, v in spec.sample(case, torch.Generator().manual_seed(3)).items()}
+    fused = channel_mix_with(TORCH_KERNELS)
+    ref = spec.backends["reference"].fn
+    results = []
+    for fn in (fused, ref):
+        leaves = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, s = fn(*(leaves[n] for n in spec.inputs), leaves["state"], eps=1e-5)
+        assert y.dtype == torch.float32 and s.dtype == torch.float32
+        (y.square().sum() + s.sum()).backward()
+        results.append((y.detach(), {n: v.grad for n, v in leaves.items()}))
+    (y_f, g_f), (y_r, g_r) = results
+    assert (y_f - y_r).norm() / y_r.norm() < 1e-2
+    for n in g_r:
+        assert (g_f[n] - g_r[n]).norm() / g_r[n].norm() < 3e-2, n
