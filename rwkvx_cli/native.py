@@ -184,6 +184,11 @@ def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     return ctypes.c_void_p(t.data_ptr())
 
 
+def ptr_array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
+    """A C array of the tensors' data pointers, None a null pointer (the caller keeps them alive)."""
+    return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
+
+
 def kernel_entry(library: Callable[[str], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
     """The fp32 or fp64 entry point `name` of an op's kernel library (`library(precision)`, the
     op's own loader), for `x`'s dtype: the kernels take nothing else."""

@@ -1,0 +1,143 @@
+"""shift_mix `cpu` backend: the fused C++ kernel of csrc/shift_mix_cpu.cpp behind a
+torch.autograd.Function. OpenMP over contiguous ranges of the B·T rows, SIMD over C, one pass
+over every tensor; the forward keeps the LayerNorm's per-row mean and 1/std ([B, T]) and the
+backward recomputes x̂ from x with them. fp32 math (fp64 for fp64 inputs).
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.shift_mix_cpu_fwd` and
+`torch.ops.rwkvx.shift_mix_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops), so
+torch.compile traces the autograd.Function around them with no graph break. channel_mix's `cpu`
+backend calls the same ops with one lerp (its backward passes the residual's gradient as
+`dx_add`)."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr, ptr_array
+from rwkvx_cli.ops.shift_mix import MAX_MIXES
+
+SOURCE = Path(__file__).parent / "csrc" / "shift_mix_cpu.cpp"
+
+
+def _library(precision: str = "f32") -> ctypes.CDLL:
+    lib = load_library(SOURCE, precision)
+    forward = getattr(lib, f"shift_mix_forward_{precision}")
+    forward.argtypes = [ctypes.c_void_p] * 9 + [ctypes.c_int] * 5 + [ctypes.c_double]
+    return lib
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
+def unavailable() -> str | None:
+    """None when the kernel builds and loads here, else the reason."""
+    return native_unavailable(_library)
+
+
+def _kernel(name: str, x: Tensor):
+    return kernel_entry(_library, "shift_mix", name, x)
+
+
+def _contiguous(t: Tensor | None) -> Tensor | None:
+    return None if t is None else t.contiguous()
+
+
+def _optional(t: Tensor | None):
+    """An optional argument's pointer: a null one for None."""
+    return None if t is None else ptr(t)
+
+
+@torch.library.custom_op("rwkvx::shift_mix_cpu_fwd", mutates_args=(), device_types="cpu")
+def shift_mix_cpu_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor, eps: float
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The forward kernel: x [B, T, C], weight, bias [C], mix [M, C] (M <= 8), state [B, C], all
+    fp32 or all fp64. Returns ([y_0, ..., y_{M-1}] each [B, T, C], state_out [B, C], and the
+    LayerNorm's mean and 1/std [B, T])."""
+    B, T, C = x.shape
+    M = mix.shape[0]
+    if not 1 <= M <= MAX_MIXES:
+        raise ValueError(f"the shift_mix cpu kernel takes 1 to {MAX_MIXES} lerps, got {M}")
+    ins = [t.contiguous() for t in (x, weight, bias, mix, state)]
+    ys, s_out, mean, rstd = _shift_mix_fwd_fake(x, weight, bias, mix, state, eps)
+    fn = _kernel("shift_mix_forward", x)
+    fn(*map(ptr, ins), ptr_array(ys), *map(ptr, (s_out, mean, rstd)), B, T, C, M, torch.get_num_threads(), eps)
+    return ys, s_out, mean, rstd
+
+
+@shift_mix_cpu_fwd.register_fake
+def _shift_mix_fwd_fake(x, weight, bias, mix, state, eps):
+    B, T, C = x.shape
+    return [x.new_empty(B, T, C) for _ in range(mix.shape[0])], x.new_empty(B, C), x.new_empty(B, T), x.new_empty(B, T)
+
+
+@torch.library.custom_op("rwkvx::shift_mix_cpu_bwd", mutates_args=(), device_types="cpu")
+def shift_mix_cpu_bwd(
+    dys: list[Tensor | None],
+    dstate_out: Tensor | None,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    mix: Tensor,
+    state: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    dx_add: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the M outputs' cotangents (None: zero, not read), state_out's (None:
+    zero), the forward's inputs and statistics, and dx_add [B, T, C], a gradient added into dx
+    (None: nothing). Returns (dx, dweight, dbias, dmix [M, C], dstate)."""
+    B, T, C = x.shape
+    M = mix.shape[0]
+    if len(dys) != M:
+        raise ValueError(f"shift_mix_cpu_bwd: {len(dys)} output cotangents for {M} lerps")
+    dys = [_contiguous(g) for g in dys]
+    dstate_out, dx_add = _contiguous(dstate_out), _contiguous(dx_add)
+    ins = [t.contiguous() for t in (x, weight, bias, mix, state, mean, rstd)]
+    grads = _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+    fn = _kernel("shift_mix_backward", x)
+    fn(
+        ptr_array(dys),
+        _optional(dstate_out),
+        *map(ptr, ins),
+        _optional(dx_add),
+        *map(ptr, grads),
+        B,
+        T,
+        C,
+        M,
+        torch.get_num_threads(),
+    )
+    return grads
+
+
+@shift_mix_cpu_bwd.register_fake
+def _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
+    B, T, C = x.shape
+    return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), mix.new_empty(mix.shape), state.new_empty(B, C)
+
+
+class _ShiftMixCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mix, state, eps):
+        cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
+        xc, *params, s0 = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix, state))
+        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(xc, *params, s0, eps)
+        ctx.save_for_backward(xc, *params, s0, mean, rstd)
+        ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: the kernel skips it
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, state.dtype)
+        return (*(y.to(x.dtype) for y in ys), s_out)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
+        *dys, ds = (None if g is None else g.to(x.dtype) for g in douts)
+        grads = torch.ops.rwkvx.shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, None)
+        return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None)
+
+
+def shift_mix_cpu(x, weight, bias, mix, state, *, eps: float = 1e-5):
+    *ys, s_out = _ShiftMixCPU.apply(x, weight, bias, mix, state, eps)
+    return tuple(ys), s_out
