@@ -10,12 +10,15 @@ import torch
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.models import build_model
 from rwkvx_cli.ops import gdn, kda, rwkv8, wkv4, wkv7
+from rwkvx_cli.ops.channel_mix import cpu as channel_mix_cpu
 from rwkvx_cli.ops.delta import cpu as delta_cpu
 from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
+from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
 from rwkvx_cli.ops.wkv7 import cpu as wkv7_cpu
 
 KERNELS = {"wkv7": wkv7_cpu, "wkv4": wkv4_cpu, "rwkv8": rwkv8_cpu, "delta": delta_cpu}
+KERNELS.update(shift_mix=shift_mix_cpu, channel_mix=channel_mix_cpu)
 unavailable = next((why for m in KERNELS.values() if (why := m.unavailable()) is not None), None)
 pytestmark = pytest.mark.skipif(unavailable is not None, reason=f"no CPU kernels here: {unavailable}")
 
@@ -113,8 +116,28 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck():
             *(0.5, chunk),
         ),
     }
+    calls.update(block_op_calls())
     for op, args in calls.items():
         torch.library.opcheck(op, args)
+
+
+def block_op_calls():
+    """The fused block ops' kernels: shift_mix's (one output's cotangent absent, a residual
+    gradient added) and relu²'s."""
+    gen = torch.Generator().manual_seed(1)
+    C = H * N
+    x = 0.3 + torch.randn(B, T, C, generator=gen)
+    sm = (x, 0.5 + torch.rand(C, generator=gen), 0.2 * torch.randn(C, generator=gen), torch.rand(3, C, generator=gen))
+    sm = (*sm, torch.randn(B, C, generator=gen))
+    ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(*sm, 1e-5)
+    dys = [torch.randn_like(ys[0]), None, torch.randn_like(ys[2])]
+    h = torch.randn(B, T, 4 * C, generator=gen)
+    return {
+        torch.ops.rwkvx.shift_mix_cpu_fwd: (*sm, 1e-5),
+        torch.ops.rwkvx.shift_mix_cpu_bwd: (dys, torch.randn_like(s_out), *sm, mean, rstd, torch.randn_like(x)),
+        torch.ops.rwkvx.relu2_cpu_fwd: (h,),
+        torch.ops.rwkvx.relu2_cpu_bwd: (torch.randn_like(h), torch.relu(h).square()),
+    }
 
 
 @pytest.mark.slow  # an inductor compile of every op: make test-slow (CI)

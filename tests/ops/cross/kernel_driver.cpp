@@ -4,10 +4,12 @@
 //
 // The request names an entry point (e.g. "wkv7_forward_f32") and lists its arguments in
 // order, each a one-byte tag and a value: 'P' + u64 byte count + the bytes (a buffer),
-// 'I' + i64 (an int), 'D' + f64 (a double). The driver checks the tags against the entry
+// 'I' + i64 (an int), 'D' + f64 (a double), 'Z' (a null pointer), 'A' + u64 count + that many
+// 'P' or 'Z' (a pointer to an array of pointers; 'Z' and 'A' are 'P' in a signature). The driver checks the tags against the entry
 // point's C signature (below), copies the buffers into 64-byte-aligned memory, makes the
 // call, and writes the reply: i64 return code (0 for the void entry points), i64
-// rwkvx_simd_bytes() of the library, then every buffer again, in order, as the call left it.
+// rwkvx_simd_bytes() of the library, then every buffer again, in order (an array's in place), as
+// the call left it.
 // tests/ops/cross/qemu.py builds this file and speaks the protocol.
 #include <dlfcn.h>
 
@@ -40,6 +42,10 @@ const Entry kEntries[] = {
     {"rwkv8_backward", "PPPPPPPPPPPPPIIIIIIII"},
     {"delta_forward", "PPPPPPPPPPIIIIIDII"},
     {"delta_backward", "PPPPPPPPPPPPPPIIIIIDII"},
+    {"shift_mix_forward", "PPPPPPPPPIIIIID"},
+    {"shift_mix_backward", "PPPPPPPPPPPPPPPIIIII"},
+    {"channel_mix_forward", "PPIII"},
+    {"channel_mix_backward", "PPPIII"},
 };
 
 template <size_t>
@@ -76,6 +82,20 @@ bool call_delta(void* fn, const std::vector<void*>& p, const std::vector<int>& i
   return call_delta<NP>(fn, p, i, d, rc, std::make_index_sequence<NP>{});
 }
 
+// A void entry point of NP pointers, NI ints, then a double (shift_mix's forward: eps).
+template <size_t NP, size_t NI, size_t... P, size_t... I>
+bool call_void_double(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d,
+                      std::index_sequence<P...>, std::index_sequence<I...>) {
+  if (p.size() != NP || i.size() != NI) return false;
+  reinterpret_cast<void (*)(Ptr<P>..., Int<I>..., double)>(fn)(p[P]..., i[I]..., d);
+  return true;
+}
+
+template <size_t NP, size_t NI>
+bool call_void_double(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d) {
+  return call_void_double<NP, NI>(fn, p, i, d, std::make_index_sequence<NP>{}, std::make_index_sequence<NI>{});
+}
+
 template <typename T>
 T read_value(std::FILE* f) {
   T x;
@@ -96,18 +116,33 @@ int main(int argc, char** argv) {
   if (std::fread(&symbol[0], 1, name_len, in) != name_len) fail("request ends early");
 
   std::string tags;
-  std::vector<void*> ptrs;
+  std::vector<void*> ptrs, buffers;  // the call's pointer arguments; every buffer, for the reply
   std::vector<uint64_t> sizes;
+  std::vector<std::vector<void*>> arrays;
+  auto read_buffer = [&]() {
+    const auto n = read_value<uint64_t>(in);
+    void* buf = std::aligned_alloc(64, (n + 63) / 64 * 64 + 64);
+    if (!buf) fail("out of memory");
+    if (n && std::fread(buf, 1, n, in) != n) fail("request ends early");
+    buffers.push_back(buf), sizes.push_back(n);
+    return buf;
+  };
   std::vector<int> ints;
   double scale = 0;
   for (int tag; (tag = std::fgetc(in)) != EOF;) {
-    tags += (char)tag;
+    tags += tag == 'Z' || tag == 'A' ? 'P' : (char)tag;
     if (tag == 'P') {
-      const auto n = read_value<uint64_t>(in);
-      void* buf = std::aligned_alloc(64, (n + 63) / 64 * 64 + 64);
-      if (!buf) fail("out of memory");
-      if (n && std::fread(buf, 1, n, in) != n) fail("request ends early");
-      ptrs.push_back(buf), sizes.push_back(n);
+      ptrs.push_back(read_buffer());
+    } else if (tag == 'Z') {
+      ptrs.push_back(nullptr);
+    } else if (tag == 'A') {
+      arrays.emplace_back(read_value<uint64_t>(in));
+      for (void*& element : arrays.back()) {
+        const int kind = std::fgetc(in);
+        if (kind != 'P' && kind != 'Z') fail("an array holds only 'P' and 'Z'");
+        element = kind == 'P' ? read_buffer() : nullptr;
+      }
+      ptrs.push_back(arrays.back().data());
     } else if (tag == 'I') {
       ints.push_back((int)read_value<int64_t>(in));
     } else if (tag == 'D') {
@@ -133,7 +168,11 @@ int main(int argc, char** argv) {
                           ? call_delta<10>(fn, ptrs, ints, scale, &rc) || call_delta<14>(fn, ptrs, ints, scale, &rc)
                           : call_void<11, 6>(fn, ptrs, ints) || call_void<17, 6>(fn, ptrs, ints) ||
                                 call_void<12, 5>(fn, ptrs, ints) || call_void<18, 5>(fn, ptrs, ints) ||
-                                call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints);
+                                call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints) ||
+                                (tags.back() == 'D' ? call_void_double<9, 5>(fn, ptrs, ints, scale)
+                                                    : call_void<15, 5>(fn, ptrs, ints) ||
+                                                          call_void<2, 3>(fn, ptrs, ints) ||
+                                                          call_void<3, 3>(fn, ptrs, ints));
   if (!called) fail("no call shape for " + symbol);
 
   auto simd_bytes = reinterpret_cast<int (*)()>(dlsym(lib, "rwkvx_simd_bytes"));
@@ -142,7 +181,7 @@ int main(int argc, char** argv) {
   if (!out) fail("cannot write the reply");
   std::fwrite(&rc, sizeof rc, 1, out);
   std::fwrite(&width, sizeof width, 1, out);
-  for (size_t k = 0; k < ptrs.size(); k++) std::fwrite(ptrs[k], 1, sizes[k], out);
+  for (size_t k = 0; k < buffers.size(); k++) std::fwrite(buffers[k], 1, sizes[k], out);
   if (std::fclose(out) != 0) fail("cannot write the reply");
   return 0;
 }

@@ -2,7 +2,7 @@
 
 The aarch64 build is the `generic` one (no ISA flags): csrc/simd.h then gives 16-byte
 NEON vectors and blocks for 32 registers, code no x86 build compiles. `CrossBuild`
-compiles the four kernel libraries with the cross compiler and kernel_driver.cpp next
+compiles the kernel libraries with the cross compiler and kernel_driver.cpp next
 to this file; `use_cross_build` points every op's `cpu` backend at them, so the ops'
 own wrappers, custom ops and autograd glue run unchanged and only the kernel calls
 cross over: each call's buffers go to the driver under qemu, and the buffers it hands
@@ -22,8 +22,10 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli import native as _native
+from rwkvx_cli.ops.channel_mix import cpu as channel_mix_cpu
 from rwkvx_cli.ops.delta import cpu as delta_cpu
 from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
+from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
 from rwkvx_cli.ops.wkv7 import cpu as wkv7_cpu
 
@@ -31,7 +33,7 @@ CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # the cross toolchain's libc, libstdc++ and libgomp
 DRIVER = Path(__file__).with_name("kernel_driver.cpp")
-KERNEL_MODULES = (wkv7_cpu, wkv4_cpu, rwkv8_cpu, delta_cpu)
+KERNEL_MODULES = (wkv7_cpu, wkv4_cpu, rwkv8_cpu, delta_cpu, shift_mix_cpu, channel_mix_cpu)
 NEON_BYTES = 16
 
 
@@ -56,7 +58,7 @@ class Buffer:
 
 @dataclass
 class CrossBuild:
-    """The driver and the four libraries, compiled for aarch64 into `directory`."""
+    """The driver and the kernel libraries, compiled for aarch64 into `directory`."""
 
     directory: Path
     calls: list[tuple[str, int]] = field(default_factory=list)  # (entry point, vector bytes) of every call
@@ -75,13 +77,23 @@ class CrossBuild:
         """One kernel call under qemu: the buffers' contents before it go over, after it come back."""
         request = self.directory / "request.bin"
         reply = self.directory / "reply.bin"
-        buffers = [a for a in args if isinstance(a, Buffer)]
+        # a list is an array of pointers (ptr_array), a None a null pointer, alone or in a list
+        flat = [e for a in args for e in (a if isinstance(a, list) else [a])]
+        buffers = [a for a in flat if isinstance(a, Buffer)]
+
+        def pointer(a) -> bytes:
+            if a is None:
+                return b"Z"
+            data = a.tensor.detach().numpy().tobytes()
+            return b"P" + struct.pack("<Q", len(data)) + data
+
         with request.open("wb") as f:
             f.write(struct.pack("<Q", len(symbol)) + symbol.encode())
             for a in args:
-                if isinstance(a, Buffer):
-                    data = a.tensor.detach().numpy().tobytes()
-                    f.write(b"P" + struct.pack("<Q", len(data)) + data)
+                if isinstance(a, Buffer) or a is None:
+                    f.write(pointer(a))
+                elif isinstance(a, list):
+                    f.write(b"A" + struct.pack("<Q", len(a)) + b"".join(pointer(e) for e in a))
                 elif isinstance(a, float):
                     f.write(b"D" + struct.pack("<d", a))
                 elif isinstance(a, int):
@@ -120,4 +132,6 @@ def use_cross_build(monkeypatch, build: CrossBuild) -> None:
             return lambda *args: build.call(library, f"{name}_{suffix}", args)
 
         monkeypatch.setattr(module, "ptr", Buffer)
+        if hasattr(module, "ptr_array"):
+            monkeypatch.setattr(module, "ptr_array", lambda ts: [None if t is None else Buffer(t) for t in ts])
         monkeypatch.setattr(module, "_kernel", entry)

@@ -1,0 +1,112 @@
+"""The fused block ops' C++ kernels (shift_mix's, relu²) where the registry-wide tests do not reach:
+the result of every thread count, the residual gradient `dx_add`, absent output cotangents, and
+channel_mix's cpu backend under bf16 autocast."""
+
+import pytest
+import torch
+
+from rwkvx_cli.ops import get_op
+from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
+
+pytestmark = pytest.mark.skipif(shift_mix_cpu.unavailable() is not None, reason="no CPU kernels here")
+
+B, T, C, M = 2, 100, 203, 3  # several threads' row ranges, starting inside a sequence; C not a multiple of a vector
+
+
+@pytest.fixture
+def threads():
+    before = torch.get_num_threads()
+    yield torch.set_num_threads
+    torch.set_num_threads(before)
+
+
+def inputs(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = 0.3 + torch.randn(B, T, C, generator=gen, dtype=dtype)
+    weight = 0.5 + torch.rand(C, generator=gen, dtype=dtype)
+    bias = 0.2 * torch.randn(C, generator=gen, dtype=dtype)
+    mix = torch.rand(M, C, generator=gen, dtype=dtype)
+    state = torch.randn(B, C, generator=gen, dtype=dtype)
+    dys = [torch.randn(B, T, C, generator=gen, dtype=dtype) for _ in range(M)]
+    return (x, weight, bias, mix, state), dys, torch.randn(B, C, generator=gen, dtype=dtype)
+
+
+def run(args, dys, ds, dx_add=None):
+    ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(*args, 1e-5)
+    grads = torch.ops.rwkvx.shift_mix_cpu_bwd(dys, ds, *args, mean, rstd, dx_add)
+    return (*ys, s_out, mean, rstd), grads
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_the_thread_count_changes_only_the_rounding_of_the_parameter_sums(threads, dtype):
+    args, dys, ds = inputs(dtype)
+    threads(1)
+    outs1, grads1 = run(args, dys, ds)
+    for n in (2, 3, 5):
+        threads(n)
+        outs, grads = run(args, dys, ds)
+        for got, want in zip(outs, outs1, strict=True):  # rows are independent: exactly the same
+            assert torch.equal(got, want), n
+        tol = 1e-13 if dtype == torch.float64 else 1e-6  # fp64 sums either way
+        for name, got, want in zip(("dx", "dweight", "dbias", "dmix", "dstate"), grads, grads1, strict=True):
+            torch.testing.assert_close(got, want, rtol=tol, atol=tol, msg=f"{name}, {n} threads")
+
+
+def test_dx_add_is_added_into_dx():
+    args, dys, ds = inputs(torch.float64)
+    dx_add = torch.randn(B, T, C, dtype=torch.float64)
+    _, plain = run(args, dys, ds)
+    _, added = run(args, dys, ds, dx_add)
+    torch.testing.assert_close(added[0], plain[0] + dx_add, rtol=1e-14, atol=1e-14)
+    for got, want in zip(added[1:], plain[1:], strict=True):
+        assert torch.equal(got, want)
+
+
+def test_an_absent_cotangent_is_a_zero_one():
+    args, dys, ds = inputs(torch.float32)
+    _, absent = run(args, [dys[0], None, dys[2]], None)
+    _, zeros = run(args, [dys[0], torch.zeros_like(dys[1]), dys[2]], torch.zeros_like(ds))
+    for got, want in zip(absent, zeros, strict=True):
+        assert torch.equal(got, want)
+
+
+def test_shift_mix_s_function_skips_the_unused_outputs():
+    """Only y_1 used: its Function's backward gets None for the others and passes it on."""
+    (x, *rest), _, _ = inputs(torch.float64)
+    leaves = [t.clone().requires_grad_(True) for t in (x, *rest)]
+    spec = get_op("shift_mix")
+    (ys, _), (ys_ref, _) = (spec.backends[bk].fn(*leaves, eps=1e-5) for bk in ("cpu", "reference"))
+    got = torch.autograd.grad(ys[1].sum(), leaves)
+    want = torch.autograd.grad(ys_ref[1].sum(), leaves)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12)
+
+
+def test_channel_mix_cpu_under_bf16_autocast():
+    """The matmuls in bf16 (relu² then in torch: the kernels take fp32 and fp64), the rest fp32:
+    within bf16's rounding of the composition under the same autocast."""
+    spec = get_op("channel_mix")
+    case = spec.cases[1]
+    t = {n: v.float() for n, v in spec.sample(case, torch.Generator().manual_seed(3)).items()}
+    results = []
+    for bk in ("cpu", "reference"):
+        leaves = {n: v.clone().requires_grad_(True) for n, v in t.items()}
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y, s = spec.backends[bk].fn(*(leaves[n] for n in spec.inputs), leaves["state"], eps=1e-5)
+        assert y.dtype == torch.float32 and s.dtype == torch.float32
+        (y.square().sum() + s.sum()).backward()
+        results.append((y.detach(), {n: v.grad for n, v in leaves.items()}))
+    (y_c, g_c), (y_r, g_r) = results
+    assert (y_c - y_r).norm() / y_r.norm() < 1e-2
+    for n in g_r:
+        assert (g_c[n] - g_r[n]).norm() / g_r[n].norm() < 3e-2, n
+
+
+def test_relu2_kernels():
+    h = torch.randn(3, 5, 37, dtype=torch.float64)
+    h[0, 0, :3] = torch.tensor([0.0, -0.0, float("nan")])
+    a = torch.ops.rwkvx.relu2_cpu_fwd(h)
+    torch.testing.assert_close(a, torch.relu(h).square(), equal_nan=True)
+    da = torch.randn_like(h)
+    dh = torch.ops.rwkvx.relu2_cpu_bwd(da, a)
+    torch.testing.assert_close(dh, 2 * torch.relu(h) * da, equal_nan=True)
