@@ -1,11 +1,11 @@
 """The fused block ops' C++ kernels (shift_mix's, relu²) where the registry-wide tests do not reach:
-the result of every thread count, the residual gradient `dx_add`, absent output cotangents, and
-channel_mix's cpu backend under bf16 autocast."""
+the result of every thread count, the residual gradient `dx_add`, absent output cotangents,
+channel_mix's cpu backend under bf16 autocast, and both backends under torch.compile."""
 
 import pytest
 import torch
 
-from rwkvx_cli.ops import get_op
+from rwkvx_cli.ops import channel_mix, get_op, shift_mix
 from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 
 pytestmark = pytest.mark.skipif(shift_mix_cpu.unavailable() is not None, reason="no CPU kernels here")
@@ -110,3 +110,36 @@ def test_relu2_kernels():
     da = torch.randn_like(h)
     dh = torch.ops.rwkvx.relu2_cpu_bwd(da, a)
     torch.testing.assert_close(dh, 2 * torch.relu(h) * da, equal_nan=True)
+
+
+def _block_loss(x, weight, bias, mix, state, key, value):
+    ys, s = shift_mix(x, weight, bias, mix, state, backend="cpu")
+    y, s2 = channel_mix(ys[0], weight, bias, mix[1], key, value, state, backend="cpu")
+    return (ys[1] * ys[2]).sum() + s.sum() + y.square().sum() + s2.sum()  # y_0 reaches the loss through y only
+
+
+@pytest.mark.slow  # an inductor compile: make test-slow (CI)
+def test_both_backends_compile_in_one_graph_and_match_eager():
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    c = 16
+    args = [
+        0.3 + torch.randn(2, 7, c, generator=gen),
+        0.5 + torch.rand(c, generator=gen),
+        0.1 * torch.randn(c, generator=gen),
+        torch.rand(3, c, generator=gen),
+        torch.randn(2, c, generator=gen),
+        torch.randn(4 * c, c, generator=gen) / 4,
+        torch.randn(c, 4 * c, generator=gen) / 8,
+    ]
+    args = [a.requires_grad_() for a in args]
+    explained = torch._dynamo.explain(_block_loss)(*args)
+    assert explained.graph_break_count == 0 and explained.graph_count == 1, explained.break_reasons
+    eager = _block_loss(*args)
+    eager_grads = torch.autograd.grad(eager, args)
+    compiled = torch.compile(_block_loss, fullgraph=True)(*args)
+    compiled_grads = torch.autograd.grad(compiled, args)
+    torch.testing.assert_close(compiled, eager)
+    for got, want in zip(compiled_grads, eager_grads, strict=True):
+        torch.testing.assert_close(got, want)
+    torch._dynamo.reset()
