@@ -642,6 +642,7 @@ def render_model_bench(r: dict) -> None:
         ("parameters", "parameters"),
         ("recurrence_pct", "recurrence ops %"),
         ("matmul_pct", "matmuls %"),
+        ("fused_pct", "fused block kernels %"),
         ("other_pct", "other %"),
         ("train_flops_per_token", "train FLOPs / token"),
         ("matmul_gflops", "matmul peak GFLOP/s"),

@@ -6,7 +6,8 @@ per token = 6 x matmul weights + each recurrent layer's op FLOPs for one token
 prints (attention FLOPs not included). The time split comes from
 torch.profiler: the self time of every event inside a recurrence op (the ops'
 autograd functions, forward and backward, with the aten calls they make), of
-the other matmul calls, and of everything else.
+the other matmul calls, of the fused block ops' kernels (`rwkvx::` ops), and of
+everything else.
 
 The step is the trainer's: the config's loss head (train.head, train.l2wrap),
 train.grad_cp, train.chunk_len, train.precision and train.compile (the warm-up step compiles).
@@ -64,6 +65,15 @@ COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (wi
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 # Names of the ops' autograd functions (and their backward nodes) and op modules.
 RECURRENCE_MARKERS = ("WKV7", "WKV4", "RWKV8", "Delta", "Moba", "wkv7", "wkv4", "rwkv8", "delta", "moba")
+
+
+def _inside_fused(event) -> bool:
+    """Inside a fused kernel op (`rwkvx::*`: the fused block ops' kernels, outside a recurrence)."""
+    while event is not None:
+        if event.name.startswith("rwkvx::"):
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def _inside_recurrence(event) -> bool:
@@ -149,7 +159,7 @@ def bench_model(
         step()
         sync(device)
     use_cuda = device.type == "cuda"
-    total = recurrence = matmul = 0.0
+    total = recurrence = matmul = fused = 0.0
     for e in prof.events():
         t = e.self_device_time_total if use_cuda else e.self_cpu_time_total
         total += t
@@ -157,6 +167,8 @@ def bench_model(
             recurrence += t
         elif e.name in MATMUL_OPS:
             matmul += t
+        elif _inside_fused(e):
+            fused += t
     total = max(total, 1e-9)
     summary = model_summary(model)
     peak = matmul_peak_gflops(device, torch.bfloat16 if use_cuda else torch.float32)
@@ -177,7 +189,8 @@ def bench_model(
         "step_ms": step_s * 1e3,
         "recurrence_pct": recurrence / total * 100,
         "matmul_pct": matmul / total * 100,
-        "other_pct": (total - recurrence - matmul) / total * 100,
+        "fused_pct": fused / total * 100,
+        "other_pct": (total - recurrence - matmul - fused) / total * 100,
         "train_flops_per_token": summary["train_flops_per_token"],
         "matmul_gflops": peak,
         "mfu_pct": mfu,

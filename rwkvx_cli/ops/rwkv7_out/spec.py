@@ -46,6 +46,7 @@ def _case(name, B, T, H, N, **options):
 SPEC = register(
     OpSpec(
         name="rwkv7_out",
+        family="block",
         summary="RWKV-7's ln_x group norm + bonus + output gate (before the output projection)",
         fn=rwkv7_out,
         inputs=INPUTS,

@@ -50,6 +50,7 @@ def _case(name, B, T, H, N, absent=()):
 SPEC = register(
     OpSpec(
         name="rwkv7_prep",
+        family="block",
         summary="RWKV-7's decay, gates, value residual, kk, key update and bonus (between its matmuls and wkv7)",
         fn=rwkv7_prep,
         inputs=INPUTS,
