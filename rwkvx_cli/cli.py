@@ -236,6 +236,7 @@ Steps = Annotated[int, typer.Option(min=1, help="Training steps to time with --m
 Sets = Annotated[Names, typer.Option("--set", help="Config override for --model, e.g. train.grad_cp=true.")]
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
 VsFull = Annotated[bool, typer.Option("--vs-unchunked", help="With train.chunk_len: also time the unchunked step.")]
+VsUnfused = Annotated[bool, typer.Option("--vs-unfused", help="Also time the same model unfused (model.fused=false).")]
 
 
 @app.command()
@@ -253,6 +254,7 @@ def bench(
     override: Sets = None,
     vs_gpt: VsGpt = False,
     vs_unchunked: VsFull = False,
+    vs_unfused: VsUnfused = False,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
 ) -> None:
@@ -260,7 +262,8 @@ def bench(
     from rwkvx_cli.render import bench_status, render_bench, render_model_bench
     from rwkvx_cli.runs.runtime import resolve_device
 
-    given = [flag for flag, on in (("--set", override), ("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked)) if on]
+    flags = (("--set", override), ("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked), ("--vs-unfused", vs_unfused))
+    given = [flag for flag, on in flags if on]
     if model is None and given:
         raise UsageError(f"{given[0]} goes with --model CFG")
     dev = resolve_device(device.value, setting="--device")
@@ -269,7 +272,9 @@ def bench(
     if model is not None:
         from rwkvx_cli.tools.bench_model import bench_model
 
-        result = bench_model(model, steps, dev, override or [], vs_gpt=vs_gpt, vs_unchunked=vs_unchunked)
+        result = bench_model(
+            model, steps, dev, override or [], vs_gpt=vs_gpt, vs_unchunked=vs_unchunked, vs_unfused=vs_unfused
+        )
         render_model_bench(result)
         write_json(json_path, result, force=force)
         return

@@ -84,6 +84,10 @@ class ModelConfig:
     lora_a: int = 0
     lora_v: int = 0
     lora_g: int = 0
+    # Run the blocks through the fused block ops (ops/shift_mix, rwkv7_prep, rwkv7_out, channel_mix:
+    # docs/model.md#fused-blocks): the same parameters and math in fewer, fused kernels. False: the
+    # plain torch composition, which the fused ops' references are (and `rwkvx explain` reads).
+    fused: bool = True
 
 
 def expand_layers(spec: list[str]) -> list[str]:

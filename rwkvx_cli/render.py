@@ -623,12 +623,13 @@ def render_model_bench(r: dict) -> None:
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
         f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
-    gpt = r.get("gpt") or r.get("unchunked")
+    other = next((name for name in ("gpt", "unchunked", "unfused") if name in r), None)
+    gpt = r.get(other) if other else None
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
     table.add_column("this config" if gpt else "value", justify="right")
     if gpt:
-        table.add_column("GPT" if "gpt" in r else "unchunked", justify="right")
+        table.add_column({"gpt": "GPT"}.get(other, other), justify="right")
 
     def fmt(val) -> str:
         if val is None:
@@ -641,6 +642,7 @@ def render_model_bench(r: dict) -> None:
         ("parameters", "parameters"),
         ("recurrence_pct", "recurrence ops %"),
         ("matmul_pct", "matmuls %"),
+        ("fused_pct", "fused block kernels %"),
         ("other_pct", "other %"),
         ("train_flops_per_token", "train FLOPs / token"),
         ("matmul_gflops", "matmul peak GFLOP/s"),
@@ -648,13 +650,22 @@ def render_model_bench(r: dict) -> None:
         ("peak_mb", "peak memory of a step MiB"),
         ("grads_mb", "  of which gradients MiB"),
         ("activation_mb", "  activations + transients MiB"),
+        ("ops", "ops per block, fwd + bwd"),
     ):
-        row = [label, fmt(r.get(key))]
+        row = [label, fmt(_figure(r, key))]
         if gpt:
-            row.append(fmt(gpt.get(key)))
+            row.append(fmt(_figure(gpt, key)))
         table.add_row(*row)
     out.print(table)
-    if "chunked_over_unchunked" in r:
+    kind = r["ops_per_block"]["kind"]
+    out.print(f"[dim]ops per block: {kind} blocks, forward + backward, counted as docs/benchmarks.md#op-count says[/]")
+    if "fused_speedup" in r:
+        ratio = r["activation_mb"] / gpt["activation_mb"] if gpt["activation_mb"] else float("nan")
+        out.print(
+            f"[bold]fused / unfused: {r['fused_speedup']:.2f}x the tokens/s, {ratio:.2f}x the activation memory[/]"
+            f" · {r['timing']}"
+        )
+    elif "chunked_over_unchunked" in r:
         out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")
     elif gpt:
         out.print(
@@ -662,6 +673,10 @@ def render_model_bench(r: dict) -> None:
         )
         out.print(f"[dim]GPT train FLOPs / token = {gpt['flops_formula']}[/]")
     out.print(f"[dim]{r['mfu_formula']}[/]")
+
+
+def _figure(r: dict, key: str):
+    return r.get("ops_per_block", {}).get("ops") if key == "ops" else r.get(key)
 
 
 def prepared_line(stats) -> str:

@@ -61,6 +61,7 @@ class Block(nn.Module):
         self.ln2 = nn.LayerNorm(C)
         self.att = TIME_MIXES[kind].from_config(cfg, layer_id)
         self.ffn = ChannelMix(C)
+        self.fused = cfg.fused
         if has_ln0 and not ln0_first:
             self.ln0 = nn.LayerNorm(C)
 
@@ -72,13 +73,27 @@ class Block(nn.Module):
 
     def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN):
         """`graph`: PLAIN, or LRP's modified graph (explain/), for which the residual adds are sums
-        and the norms take LayerNorm's rule."""
+        and the norms take LayerNorm's rule. With `fused` (model.fused) and the plain graph, the
+        same block through the fused block ops (`_fused`)."""
         if hasattr(self, "ln0"):
             x = graph.layer_norm(self.ln0, x)
+        if self.fused and graph is PLAIN:
+            return self._fused(x, v_first, state)
         att, v_first, att_state = self.att(graph.layer_norm(self.ln1, x), v_first, state, graph)
         x = graph.sum(x + att)
         ffn, ffn_shift = self.ffn(graph.layer_norm(self.ln2, x), state.get("ffn_shift") if state else None, graph)
         return graph.sum(x + ffn), v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
+
+    def _fused(self, x, v_first, state: State | None):
+        """A time mix with a fused form (RWKV-7's) takes ln1 and the residual sum into it; every
+        kind's channel mix runs as the channel_mix op, ln2 and the residual sum included."""
+        if hasattr(self.att, "fused_forward"):
+            x, v_first, att_state = self.att.fused_forward(x, self.ln1, v_first, state)
+        else:
+            att, v_first, att_state = self.att(self.ln1(x), v_first, state)
+            x = x + att
+        x, ffn_shift = self.ffn.fused_forward(x, self.ln2, state.get("ffn_shift") if state else None)
+        return x, v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

@@ -76,6 +76,9 @@ class OpSpec:
     fd_case: Case
     backends: dict[str, Backend]
     reference: str = "reference"
+    # "sequence": a recurrence or attention, mixing over time; "block": a fused block op, the
+    # elementwise work around the matmuls (docs/operators.md#fused-block-ops).
+    family: str = "sequence"
     # The op's outputs, in the order it returns them: one (`y`, a tensor), several (a tuple of that
     # many), or None: a tuple of any length (shift_mix, one per lerp), named y0, y1, ...
     outputs: tuple[str, ...] | None = ("y",)

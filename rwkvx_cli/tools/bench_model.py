@@ -6,7 +6,8 @@ per token = 6 x matmul weights + each recurrent layer's op FLOPs for one token
 prints (attention FLOPs not included). The time split comes from
 torch.profiler: the self time of every event inside a recurrence op (the ops'
 autograd functions, forward and backward, with the aten calls they make), of
-the other matmul calls, and of everything else.
+the other matmul calls, of the fused block ops' kernels (`rwkvx::` ops), and of
+everything else.
 
 The step is the trainer's: the config's loss head (train.head, train.l2wrap),
 train.grad_cp, train.chunk_len, train.precision and train.compile (the warm-up step compiles).
@@ -28,15 +29,22 @@ process on the same tokens: same B, T, device, precision, loss head (no L2Wrap),
 and number of steps. The two models' steps alternate (round i: RWKV then GPT, or GPT then
 RWKV on odd rounds), each step timed on its own, and both step times are medians over the
 rounds, so that the machine's noise hits both alike; `rwkv_over_gpt` = RWKV tokens/s / GPT
-tokens/s. With `vs_unchunked` (a config with train.chunk_len) the same window's unchunked step
+tokens/s; with `vs_unchunked` (a config with train.chunk_len) the same window's unchunked step
 is timed the same way, interleaved, and its memory measured: `chunked_over_unchunked` = chunked
-step time / unchunked step time.
+step time / unchunked step time; with `vs_unfused` the same model with model.fused off (the same
+weights: the same seed), a second model with its own optimizer, interleaved the same way, its
+memory measured: `fused_speedup` = unfused step time / fused step time.
+
+Every run also counts the ops a block dispatches in one forward + backward (tools/op_count.py):
+`ops_per_block` for this config's model, and with `vs_unfused` / `vs_gpt` for the unfused model
+and the GPT.
 """
 
 from __future__ import annotations
 
 import statistics
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
@@ -46,13 +54,26 @@ from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
+from rwkvx_cli.models.model import layer_kinds
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
+from rwkvx_cli.tools.op_count import ops_per_block
+
+COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 # Names of the ops' autograd functions (and their backward nodes) and op modules.
 RECURRENCE_MARKERS = ("WKV7", "WKV4", "RWKV8", "Delta", "Moba", "wkv7", "wkv4", "rwkv8", "delta", "moba")
+
+
+def _inside_fused(event) -> bool:
+    """Inside a fused kernel op (`rwkvx::*`: the fused block ops' kernels, outside a recurrence)."""
+    while event is not None:
+        if event.name.startswith("rwkvx::"):
+            return True
+        event = event.cpu_parent
+    return False
 
 
 def _inside_recurrence(event) -> bool:
@@ -70,16 +91,21 @@ def bench_model(
     overrides: list[str] = (),
     vs_gpt: bool = False,
     vs_unchunked: bool = False,
+    vs_unfused: bool = False,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
+    flags = (("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked), ("--vs-unfused", vs_unfused))
+    given = [flag for flag, on in flags if on]
+    if len(given) > 1:
+        raise UsageError(f"{' and '.join(given)} do not go together; run them separately")
     if vs_unchunked and not 0 < tc.chunk_len < tc.ctx_len:
         raise UsageError(
             f"--vs-unchunked compares chunked BPTT with the whole window: train.chunk_len ({tc.chunk_len}) must be "
             f"set and shorter than train.ctx_len ({tc.ctx_len})"
         )
-    if vs_unchunked and vs_gpt:
-        raise UsageError("--vs-unchunked and --vs-gpt do not go together; run them separately")
+    if vs_unfused and not cfg.model.fused:
+        raise UsageError("--vs-unfused compares the fused blocks with the unfused ones: model.fused must be true")
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
     runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
@@ -109,6 +135,15 @@ def bench_model(
         whole()  # warm-up
         step_s, whole_s = _interleaved(step, whole, steps, device)
         whole_memory = step_memory(whole, model, device)
+    elif vs_unfused:
+        plain = build_model(replace(cfg.model, fused=False), tc.seed).to(device)  # the same weights
+        plain.grad_checkpointing = tc.grad_cp
+        plain_opt = torch.optim.AdamW(parameter_groups(plain, tc.lr, tc.weight_decay), lr=tc.lr)
+        plain_step = _train_step(plain, plain_opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
+        plain_step()  # warm-up
+        step_s, plain_s = _interleaved(step, plain_step, steps, device)
+        plain_memory = step_memory(plain_step, plain, device)
+        del plain, plain_opt, plain_step
     else:
         start = time.perf_counter()
         for _ in range(steps):
@@ -124,7 +159,7 @@ def bench_model(
         step()
         sync(device)
     use_cuda = device.type == "cuda"
-    total = recurrence = matmul = 0.0
+    total = recurrence = matmul = fused = 0.0
     for e in prof.events():
         t = e.self_device_time_total if use_cuda else e.self_cpu_time_total
         total += t
@@ -132,6 +167,8 @@ def bench_model(
             recurrence += t
         elif e.name in MATMUL_OPS:
             matmul += t
+        elif _inside_fused(e):
+            fused += t
     total = max(total, 1e-9)
     summary = model_summary(model)
     peak = matmul_peak_gflops(device, torch.bfloat16 if use_cuda else torch.float32)
@@ -152,17 +189,29 @@ def bench_model(
         "step_ms": step_s * 1e3,
         "recurrence_pct": recurrence / total * 100,
         "matmul_pct": matmul / total * 100,
-        "other_pct": (total - recurrence - matmul) / total * 100,
+        "fused_pct": fused / total * 100,
+        "other_pct": (total - recurrence - matmul - fused) / total * 100,
         "train_flops_per_token": summary["train_flops_per_token"],
         "matmul_gflops": peak,
         "mfu_pct": mfu,
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
         "parameters": summary["parameters"],
-        "timing": f"median of {steps} steps, interleaved with the {'GPT' if vs_gpt else 'unchunked'} step's"
-        if vs_gpt or vs_unchunked
+        "timing": f"median of {steps} steps, interleaved with the {given[0].removeprefix('--vs-')} step's"
+        if given
         else f"mean of {steps} steps",
+        "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap),
     }
+    if vs_unfused:
+        plain_tokens_per_s = B * T / plain_s
+        result["unfused"] = {
+            "tokens_per_s": plain_tokens_per_s,
+            "step_ms": plain_s * 1e3,
+            **plain_memory,
+            "mfu_pct": plain_tokens_per_s * summary["train_flops_per_token"] / (peak * 1e9) * 100,
+            "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap, fused=False),
+        }
+        result["fused_speedup"] = plain_s / step_s
     if vs_unchunked:
         result["unchunked"] = {"tokens_per_s": B * T / whole_s, "step_ms": whole_s * 1e3, **whole_memory}
         result["chunked_over_unchunked"] = step_s / whole_s
@@ -184,9 +233,50 @@ def bench_model(
             "mfu_pct": gpt_tokens_per_s * gpt_flops / (peak * 1e9) * 100,
             "flops_formula": "6 x matmul weights (the tied head once, no positional table) "
             "+ 12 x n_layer x n_embd x ctx (attention scores and values, the full T x T square)",
+            "ops_per_block": _count_gpt(cfg, mode, device),
         }
         result["rwkv_over_gpt"] = tokens_per_s / gpt_tokens_per_s
     return result
+
+
+def _count_rwkv(cfg, mode: str, device: torch.device, l2wrap: bool, fused: bool | None = None) -> dict:
+    """Ops per block (tools/op_count.py) of the config's most common block kind, in the config's
+    precision, loss head and grad_cp, unchunked, on 1 x COUNT_T tokens."""
+    kinds = layer_kinds(cfg.model)
+    kind = max(dict.fromkeys(kinds), key=kinds.count)
+    fused = cfg.model.fused if fused is None else fused
+
+    def step_of(n: int):
+        model = build_model(replace(cfg.model, layers=[kind] * n, fused=fused), cfg.train.seed).to(device)
+        model.grad_checkpointing = cfg.train.grad_cp
+        return _loss_step(model, cfg, mode, device, l2wrap)
+
+    total, by_op = ops_per_block(step_of)
+    return {"kind": kind, "fused": fused, "ops": total, "by_op": by_op}
+
+
+def _count_gpt(cfg, mode: str, device: torch.device) -> dict:
+    def step_of(n: int):
+        gpt = GPT(replace(GPTConfig.matching(cfg), n_layer=n), cfg.train.seed).to(device)
+        return _loss_step(gpt, cfg, mode, device, False)
+
+    total, by_op = ops_per_block(step_of)
+    return {"kind": "gpt", "ops": total, "by_op": by_op}
+
+
+def _loss_step(model, cfg, mode: str, device: torch.device, l2wrap: bool):
+    """The forward and backward of one training step (no optimizer) on 1 x COUNT_T random tokens."""
+    idx = torch.randint(0, cfg.model.vocab_size, (1, min(COUNT_T, cfg.train.ctx_len) + 1)).to(device)
+
+    def step():
+        for p in model.parameters():
+            p.grad = None
+        with rt.autocast(mode, device):
+            loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, cfg.train.head, l2wrap)
+        loss.backward()
+        sync(device)
+
+    return step
 
 
 def _train_step(

@@ -10,10 +10,16 @@ kernel fails that step only:
   2. bench      every wkv7 backend at (8, 4096, 64, 64), bf16 and fp32, fwd and fwdbwd, with
                 fla's chunk_rwkv7 as a peer row when FLA_WHEELS=dir (or --fla-wheels) names a
                 folder of fla-core / flash-linear-attention wheels; else the row is skipped.
-  3. train      200 bf16 steps of configs/gpu-0.1b.yaml (ctx 4096, byte vocabulary, the
+  3. fused      every fused block op (shift_mix, rwkv7_prep, rwkv7_out, channel_mix) at the
+                0.1B model's width and batch (8, 4096, 12, 64), bf16 and fp32, fwdbwd: each
+                backend against the reference, the unfused torch composition.
+  4. model      `rwkvx bench --model configs/gpu-0.1b.yaml --vs-unfused`: the fused training
+                step against the unfused one, interleaved: tokens/s, activation memory, ops per
+                block of each.
+  5. train      200 bf16 steps of configs/gpu-0.1b.yaml (ctx 4096, byte vocabulary, the
                 bundled corpus): tokens/s, MFU, peak memory, loss falling.
-  4. auto       the backend `auto` picks per op on the device.
-  5. compile    every Triton backend through torch.compile(fullgraph=True) against eager, forward
+  6. auto       the backend `auto` picks per op on the device.
+  7. compile    every Triton backend through torch.compile(fullgraph=True) against eager, forward
                 and backward, at the ops' small gradient-check case: on CUDA the kernels are
                 torch.library.triton_ops that Inductor launches itself, which no CPU test can run.
 
@@ -38,9 +44,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (rwkvx_cli/tools/ is two below it)
 TRAIN_CONFIG = ROOT / "configs" / "gpu-0.1b.yaml"
 BENCH_SHAPE = "8,4096,64,64"
+BLOCK_SHAPE = "8,4096,12,64"  # the fused block ops at C = 768: the 0.1B model's width, batch and ctx
 TRAIN_STEPS = 200
-# Seconds per step (the whole run must stay under 6 minutes on one H100/H200).
-LIMITS = {"gradcheck": 90, "bench": 120, "train": 150, "auto": 60, "compile": 240}
+MODEL_STEPS = 10
+# Seconds per step (the whole run must stay under 8 minutes on one H100/H200).
+LIMITS = {"gradcheck": 90, "bench": 120, "fused": 120, "model": 150, "train": 150, "auto": 60, "compile": 360}
 
 
 @dataclass
@@ -156,6 +164,78 @@ def _bench_backends(device: str, fla: str | None) -> list[str]:
     if fla:
         names.append("fla")
     return names
+
+
+def step_fused(device: str, quick: bool) -> Step:
+    """The fused block ops' backends that run on the device (not Triton's interpreter on a CPU)
+    against their reference, the unfused composition (`speedup` in the rows)."""
+    from rwkvx_cli.ops import get_op, op_names
+
+    step = Step("fused")
+    shape = "1,64,1,16" if quick else BLOCK_SHAPE
+    ops = [n for n in op_names() if get_op(n).family == "block"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for dtype in ("fp32",) if quick else ("bf16", "fp32"):
+            for op in ops:
+                spec = get_op(op)
+                names = [
+                    b.name
+                    for b in spec.production_backends()
+                    if device in b.devices and not (device == "cpu" and "triton" in b.name)
+                ] + [spec.reference]
+                out = Path(tmp) / f"{op}-{dtype}.json"
+                cmd = _py("-m", "rwkvx_cli", "bench", "--op", op, "--shape", shape, "--dtype", dtype)
+                cmd += ["--mode", "fwdbwd", "--device", device] + [x for n in names for x in ("--backend", n)]
+                _run(step, [*cmd, "--json", str(out)], LIMITS["fused"], _env())
+                if out.exists():
+                    rows = json.loads(out.read_text())["rows"]
+                    step.data.setdefault(dtype, []).extend(rows)
+                    for row in rows:
+                        if row.get("error"):
+                            step.status = "FAIL"
+                            step.detail += f"{op} {row['backend']} {dtype}: {row['error']}; "
+    step.detail = step.detail.strip("; ")
+    if step.status == "ok":
+        step.detail = f"{', '.join(ops)} at {shape}"
+    return step
+
+
+def step_model(device: str, quick: bool) -> Step:
+    """The fused training step against the unfused one (`rwkvx bench --model --vs-unfused`)."""
+    step = Step("model")
+    sets = ["model.n_layer=1", "model.n_embd=64", "train.ctx_len=32", "train.micro_batch=2"] if quick else []
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "model.json"
+        cmd = _py("-m", "rwkvx_cli", "bench", "--model", str(TRAIN_CONFIG), "--vs-unfused", "--device", device)
+        cmd += ["--steps", str(2 if quick else MODEL_STEPS), *[x for s in sets for x in ("--set", s)]]
+        _run(step, [*cmd, "--json", str(out)], LIMITS["model"], _env())
+        r = json.loads(out.read_text()) if out.exists() else None
+    if r is None:
+        step.status = "FAIL"
+        step.detail = step.detail or "no result"
+        return step
+    plain = r["unfused"]
+    step.data = {
+        "config": str(TRAIN_CONFIG.relative_to(ROOT)),
+        "precision": r["precision"],
+        "tokens_per_s": r["tokens_per_s"],
+        "unfused_tokens_per_s": plain["tokens_per_s"],
+        "fused_speedup": r["fused_speedup"],
+        "mfu_pct": r["mfu_pct"],
+        "unfused_mfu_pct": plain["mfu_pct"],
+        "activation_mb": r["activation_mb"],
+        "unfused_activation_mb": plain["activation_mb"],
+        "ops_per_block": r["ops_per_block"]["ops"],
+        "unfused_ops_per_block": plain["ops_per_block"]["ops"],
+    }
+    if step.status == "ok":
+        d = step.data
+        step.detail = (
+            f"fused {d['fused_speedup']:.2f}x the unfused tokens/s, activations {d['activation_mb']:,.0f} / "
+            f"{d['unfused_activation_mb']:,.0f} MiB, ops per block {d['ops_per_block']:.0f} / "
+            f"{d['unfused_ops_per_block']:.0f}"
+        )
+    return step
 
 
 def step_train(device: str, quick: bool) -> Step:
@@ -386,6 +466,28 @@ def markdown(report: dict) -> str:
                 lines.append(f"| {row.get('backend')} | {dtype} | {row.get('mode')} | {ms_text} |")
         if "fla" in bench["data"]:
             lines += ["", f"fla: {bench['data']['fla']}"]
+    fused = next((s for s in report["steps"] if s["name"] == "fused"), None)
+    if fused and fused["data"]:
+        lines += ["", f"## fused block ops at B,T,H,N = {BLOCK_SHAPE if not report['quick'] else '1,64,1,16'}", ""]
+        lines += ["| op | backend | dtype | ms | x reference |", "|---|---|---|---|---|"]
+        for dtype in ("bf16", "fp32"):
+            for row in fused["data"].get(dtype, []):
+                ms, up = row.get("median_ms"), row.get("speedup")
+                ms_text = f"{ms:.3f}" if isinstance(ms, (int, float)) else str(row.get("error", "–"))
+                up_text = f"{up:.2f}" if isinstance(up, (int, float)) else "–"
+                lines.append(f"| {row.get('op')} | {row.get('backend')} | {dtype} | {ms_text} | {up_text} |")
+    model = next((s for s in report["steps"] if s["name"] == "model"), None)
+    if model and model["data"]:
+        d = model["data"]
+        lines += [
+            "",
+            f"## fused vs unfused training step ({d['config']}, {d['precision']})",
+            "",
+            f"tokens/s {d['tokens_per_s']:,.0f} vs {d['unfused_tokens_per_s']:,.0f} ({d['fused_speedup']:.2f}x) · "
+            f"MFU {d['mfu_pct']:.1f}% vs {d['unfused_mfu_pct']:.1f}% · activations {d['activation_mb']:,.0f} vs "
+            f"{d['unfused_activation_mb']:,.0f} MiB · ops per block {d['ops_per_block']:.0f} vs "
+            f"{d['unfused_ops_per_block']:.0f}",
+        ]
     train = next((s for s in report["steps"] if s["name"] == "train"), None)
     if train and train["data"]:
         d = train["data"]
@@ -406,7 +508,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's CPU run)")
     p.add_argument("--out", default="bench", help="folder for gpu.json and gpu.md")
     p.add_argument("--ops", default="", help="comma-separated ops to gradcheck (default: all)")
-    p.add_argument("--steps", default="gradcheck,bench,train,auto,compile", help="comma-separated steps to run")
+    p.add_argument(
+        "--steps", default="gradcheck,bench,fused,model,train,auto,compile", help="comma-separated steps to run"
+    )
     p.add_argument("--fla-wheels", default=os.environ.get("FLA_WHEELS"), help="local folder of fla wheels")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--op", help=argparse.SUPPRESS)
@@ -428,6 +532,10 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(step_gradcheck(args.device, ops, args))
         elif name == "bench":
             steps.append(step_bench(args.device, args.quick, args.fla_wheels))
+        elif name == "fused":
+            steps.append(step_fused(args.device, args.quick))
+        elif name == "model":
+            steps.append(step_model(args.device, args.quick))
         elif name == "train":
             steps.append(step_train(args.device, args.quick))
         elif name == "auto":

@@ -218,6 +218,11 @@ OPERATIONAL = frozenset(
 )
 
 
+# Model settings that choose how the model is computed, not what it is: the weights fit either way,
+# but the rounding differs, so a change goes through --allow-change as a training setting does.
+MODEL_RUNTIME = frozenset({"model.fused"})
+
+
 def _flat(cfg: Config) -> dict[str, object]:
     return {
         f"{section}.{key}" if isinstance(body, dict) else section: value
@@ -236,7 +241,7 @@ def resume_changes(saved: Config, cfg: Config, allowed: Collection[str] = ()) ->
             raise ConfigError(f"--allow-change {key}: not a config setting (e.g. train.micro_batch)")
     changes = {k: (then.get(k), v) for k, v in now.items() if k not in OPERATIONAL and then.get(k) != v}
     for key, (old, new) in changes.items():
-        if key.startswith("model."):
+        if key.startswith("model.") and key not in MODEL_RUNTIME:
             raise ConfigError(f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; the model is fixed")
         if key not in allowed:
             raise ConfigError(

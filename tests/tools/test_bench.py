@@ -68,7 +68,8 @@ def test_bench_model(tmp_path):
     assert result.exit_code == 0, result.output
     data = json.loads(path.read_text())
     assert data["tokens_per_s"] > 0 and 0 < data["mfu_pct"] < 100
-    assert abs(data["recurrence_pct"] + data["matmul_pct"] + data["other_pct"] - 100) < 1e-6
+    parts = ("recurrence_pct", "matmul_pct", "fused_pct", "other_pct")
+    assert abs(sum(data[p] for p in parts) - 100) < 1e-6
     assert data["recurrence_pct"] > 0 and data["matmul_pct"] > 0
 
 
@@ -213,3 +214,43 @@ def test_bench_model_vs_gpt(tmp_path):
 def test_bench_vs_gpt_needs_a_model():
     result = runner.invoke(app, ["bench", "--vs-gpt"])
     assert result.exit_code == 2 and "--vs-gpt" in result.stderr
+
+
+def test_bench_model_vs_unfused(tmp_path):
+    """The fused step against the same model unfused, interleaved in one run, with each one's memory and
+    ops per block; it needs a fused model and goes with no other comparison."""
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 2, n_embd: 64, head_size: 32}\ntrain: {ctx_len: 32, micro_batch: 2}\n")
+    path = tmp_path / "r.json"
+    result = runner.invoke(app, ["bench", "--model", str(cfg), "--steps", "2", "--vs-unfused", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    assert "fused / unfused:" in result.stdout
+    r = json.loads(path.read_text())
+    assert r["fused_speedup"] > 0 and "interleaved with the unfused step's" in r["timing"]
+    assert r["ops_per_block"]["kind"] == "rwkv7" and r["ops_per_block"]["fused"] is True
+    assert r["unfused"]["ops_per_block"]["fused"] is False
+    assert r["unfused"]["ops_per_block"]["ops"] > r["ops_per_block"]["ops"] > 0
+    assert r["unfused"]["grads_mb"] == r["grads_mb"] and r["unfused"]["activation_mb"] > 0
+    for args, message in (
+        (["--vs-unfused", "--set", "model.fused=false"], "model.fused must be true"),
+        (["--vs-unfused", "--vs-gpt"], "--vs-gpt and --vs-unfused do not go together"),
+    ):
+        refused = runner.invoke(app, ["bench", "--model", str(cfg), "--steps", "1", *args])
+        assert refused.exit_code == 2 and message in refused.stderr, refused.output
+
+
+def test_the_op_count_leaves_out_views_and_no_op_casts():
+    from rwkvx_cli.tools.op_count import count_ops
+
+    x = torch.randn(4, 6, requires_grad=True)
+
+    def run():
+        y = x.view(2, 12).t()  # views: not counted
+        z = (y.contiguous() + 1).to(torch.float32)  # a copy, an add; a cast that copies nothing
+        (z * 2).sum().backward()  # mul, sum; the backward's ops
+
+    # The backward: ones_like (the seed gradient), mul (z * 2's), and the view's reshape, which copies
+    # the transposed gradient; add, contiguous and t pass theirs on untouched.
+    assert count_ops(run) == {
+        "aten::contiguous": 1, "aten::add": 1, "aten::mul": 2, "aten::sum": 1, "aten::ones_like": 1, "aten::reshape": 1,
+    }  # fmt: skip

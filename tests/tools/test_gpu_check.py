@@ -23,12 +23,17 @@ def test_gpu_check_quick_cpu_run(tmp_path):
     proc, report, md = _run(tmp_path, "--ops", "wkv4")
     assert proc.returncode == 0, proc.stdout + proc.stderr
     assert report["passed"] and report["failed"] == []
-    assert [s["name"] for s in report["steps"]] == ["gradcheck", "bench", "train", "auto", "compile"]
+    assert [s["name"] for s in report["steps"]] == ["gradcheck", "bench", "fused", "model", "train", "auto", "compile"]
     assert all(s["status"] == "ok" for s in report["steps"])
     steps = {s["name"]: s for s in report["steps"]}
     assert steps["gradcheck"]["data"]["wkv4"]["passed"]
     rows = steps["bench"]["data"]["fp32"]["rows"]
     assert {r["mode"] for r in rows} == {"fwd", "fwdbwd"} and all(r["median_ms"] > 0 for r in rows)
+    fused = steps["fused"]["data"]["fp32"]  # every block op's rows, the reference among them
+    assert {r["op"] for r in fused} == {"shift_mix", "rwkv7_prep", "rwkv7_out", "channel_mix"}
+    assert all(r["median_ms"] > 0 and r["speedup"] > 0 for r in fused)
+    model = steps["model"]["data"]
+    assert model["fused_speedup"] > 0 and model["unfused_ops_per_block"] > 0 and model["ops_per_block"] > 0
     train = steps["train"]["data"]
     assert train["steps"] == 4 and train["loss_falling"] and train["tokens_per_s"] > 0
     assert set(steps["auto"]["data"]) >= {"wkv7", "wkv4", "rwkv8", "gdn", "kda"}
@@ -37,6 +42,7 @@ def test_gpu_check_quick_cpu_run(tmp_path):
     assert (compiled["op"], compiled["backend"], compiled["passed"]) == ("wkv7", "triton", True)
     assert report["environment"]["torch"]
     assert md.startswith("# rwkvx gpu-check") and "| gradcheck | ok |" in md and "tokens/s" in md
+    assert "## fused block ops" in md and "## fused vs unfused training step" in md
 
 
 def test_gpu_check_reports_a_failing_step(tmp_path):

@@ -10,6 +10,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from rwkvx_cli.ops import channel_mix
+
 # A layer's recurrent state: tensors by name, batch first.
 State = dict[str, torch.Tensor]
 
@@ -80,6 +82,14 @@ class Graph:
 PLAIN = Graph()
 
 
+def add_linear(x: torch.Tensor, h: torch.Tensor, linear: nn.Linear) -> torch.Tensor:
+    """x + linear(h), as one addmm; under autocast, whose matmul would round x's sum to its dtype,
+    the matmul and then the sum in x's dtype, as `x + linear(h)` computes it."""
+    if torch.is_autocast_enabled(x.device.type):
+        return x + linear(h)
+    return torch.addmm(x.reshape(-1, x.shape[-1]), h.reshape(-1, h.shape[-1]), linear.weight.t()).view(x.shape)
+
+
 def orthogonal_(w: torch.Tensor, gain: float, gen: torch.Generator) -> None:
     """RWKV-LM's rule: the gain is scaled by sqrt(rows / cols) when rows > cols."""
     rows, cols = w.shape
@@ -107,6 +117,13 @@ class ChannelMix(nn.Module):
         # (1 - x_k) x_t + x_k x_{t-1}; key and value are linear; relu² passes its relevance whole to z.
         k = graph.sum(x + (shifted(x, shift) - x) * self.x_k)
         return graph.sum(self.value(graph.relu_square(graph.sum(self.key(k))))), x[:, -1]
+
+    def fused_forward(
+        self, x: torch.Tensor, ln: nn.LayerNorm, shift: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """x + forward(ln(x)) in one op (ops/channel_mix): x is the residual stream before `ln`;
+        returns it with the channel mix added, and the token-shift state."""
+        return channel_mix(x, ln.weight, ln.bias, self.x_k, self.key.weight, self.value.weight, shift, eps=ln.eps)
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

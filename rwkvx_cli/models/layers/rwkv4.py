@@ -8,8 +8,17 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, depth_ratios, orthogonal_, shifted, upcast
-from rwkvx_cli.ops import wkv4
+from rwkvx_cli.models.layers.common import (
+    PLAIN,
+    Graph,
+    State,
+    add_linear,
+    depth_ratios,
+    orthogonal_,
+    shifted,
+    upcast,
+)
+from rwkvx_cli.ops import shift_mix, wkv4
 
 
 class RWKV4TimeMix(nn.Module):
@@ -66,6 +75,22 @@ class RWKV4TimeMix(nn.Module):
         y, (aa, bb, pp) = graph.op(wkv4)(w, upcast(self.time_first).view(H, N), upcast(k), upcast(v), wkv_state)
         out = graph.sum(self.output(r * y.reshape(B, T, C).to(r.dtype)))
         return out, v_first, {"shift": x[:, -1], "aa": aa, "bb": bb, "pp": pp}
+
+    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
+        """x + forward(ln(x)) with ln and the three token-shift mixes as one shift_mix (RWKV-4's
+        x·m + x_{t-1}·(1 - m) is shift_mix's lerp with weight 1 - m) and the output projection
+        summed into the residual in one addmm."""
+        B, T, C = x.shape
+        H, N = self.n_head, self.head_size
+        mix = 1 - torch.cat([self.time_mix_k, self.time_mix_v, self.time_mix_r], dim=1).view(3, C)
+        (xk, xv, xr), shift = shift_mix(x, ln.weight, ln.bias, mix, state["shift"] if state else None, eps=ln.eps)
+        k, v = self.key(xk).view(B, T, H, N), self.value(xv).view(B, T, H, N)
+        r = torch.sigmoid(self.receptance(xr))
+        wkv_state = (state["aa"], state["bb"], state["pp"]) if state else None
+        w = -torch.exp(upcast(self.time_decay)).view(H, N)
+        y, (aa, bb, pp) = wkv4(w, upcast(self.time_first).view(H, N), upcast(k), upcast(v), wkv_state)
+        out = add_linear(x, r * y.reshape(B, T, C).to(r.dtype), self.output)
+        return out, v_first, {"shift": shift, "aa": aa, "bb": bb, "pp": pp}
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

@@ -14,8 +14,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, depth_ratios, orthogonal_, shifted
-from rwkvx_cli.ops import wkv7
+from rwkvx_cli.models.layers.common import PLAIN, Graph, State, add_linear, depth_ratios, orthogonal_, shifted
+from rwkvx_cli.ops import rwkv7_out, rwkv7_prep, shift_mix, wkv7
+
+MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")  # the token-shift lerps, in shift_mix's output order
 
 
 def lora_rank(multiplier: float, C: int) -> int:
@@ -103,6 +105,35 @@ class RWKV7TimeMix(nn.Module):
         bonus = graph.const((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True))
         y = graph.sum(y + (bonus * heads(v)).view(B, T, C))
         return graph.sum(self.output(y * g)), v_first, {"att_shift": x[:, -1], "wkv": wkv}
+
+    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
+        """x + forward(ln(x)), the same math through the fused block ops (docs/model.md#fused-blocks):
+        shift_mix (ln and the six lerps), the matmuls, rwkv7_prep, wkv7, rwkv7_out, the output
+        projection with the residual sum. x is the residual stream before `ln`."""
+        B, T, C = x.shape
+        H, N = self.n_head, self.head_size
+        s = state or {}
+        mix = torch.cat([getattr(self, name) for name in MIXES], dim=1).view(len(MIXES), C)
+        (xr, xw, xk, xv, xa, xg), att_shift = shift_mix(x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps)
+        r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
+        w_lora = torch.tanh(xw @ self.w1) @ self.w2
+        a_lora = (xa @ self.a1) @ self.a2
+        g = torch.sigmoid(xg @ self.g1) @ self.g2
+        first = self.layer_id == 0
+        v_lora = None if first else (xv @ self.v1) @ self.v2
+
+        def heads(t):
+            return None if t is None else t.view(B, T, H, N)
+
+        w, k, v_mixed, a, b, bonus = rwkv7_prep(
+            *map(heads, (r, k, v, w_lora, a_lora, None if first else v_first, v_lora)),
+            self.w0, self.a0, self.v0, self.k_k, self.k_a, self.r_k,
+        )  # fmt: skip
+        if first:
+            v_first = v
+        y, wkv = wkv7(heads(r), w, k, v_mixed, a, b, state=s.get("wkv"))
+        out = rwkv7_out(y, bonus, heads(g), self.ln_x.weight, self.ln_x.bias, eps=self.ln_x.eps)
+        return add_linear(x, out.view(B, T, C), self.output), v_first, {"att_shift": att_shift, "wkv": wkv}
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:

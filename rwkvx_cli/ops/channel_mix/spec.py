@@ -60,6 +60,7 @@ def _case(name, B, T, H, N, nonzero_state=True, **options):
 SPEC = register(
     OpSpec(
         name="channel_mix",
+        family="block",
         summary="RWKV's channel mix with its LayerNorm and residual: x + value(relu(key(shift(ln(x))))²)",
         fn=channel_mix,
         inputs=INPUTS,

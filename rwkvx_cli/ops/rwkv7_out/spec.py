@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, rwkv7_out
+from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, cpu, rwkv7_out
 from rwkvx_cli.ops.rwkv7_out.reference import rwkv7_out_reference
 
 
@@ -46,6 +46,7 @@ def _case(name, B, T, H, N, **options):
 SPEC = register(
     OpSpec(
         name="rwkv7_out",
+        family="block",
         summary="RWKV-7's ln_x group norm + bonus + output gate (before the output projection)",
         fn=rwkv7_out,
         inputs=INPUTS,
@@ -60,7 +61,16 @@ SPEC = register(
             _case("one_token", 3, 1, 2, 16),
         ),
         fd_case=_case("finite_diff", 1, 3, 2, 4),
-        backends=block_backends("rwkv7_out", rwkv7_out_reference),
+        backends=block_backends(
+            "rwkv7_out",
+            rwkv7_out_reference,
+            cpu=(
+                cpu.rwkv7_out_cpu,
+                "fused C++ kernel (OpenMP over rows, SIMD over a head), one pass per tensor; hand-written "
+                "backward from the inputs and the saved mean and rstd",
+                cpu.unavailable,
+            ),
+        ),
         kwargs=lambda case: {"eps": float(case.options.get("eps", LN_X_EPS))},
         flops=_flops,
         bench_shapes=({"B": 16, "T": 128, "H": 2, "N": 64}, {"B": 2, "T": 1024, "H": 12, "N": 64}),

@@ -50,6 +50,7 @@ def _case(name, B, T, H, N, nonzero_state=True, **options):
 SPEC = register(
     OpSpec(
         name="shift_mix",
+        family="block",
         summary="LayerNorm + token shift + M lerps (RWKV's time-mix and channel-mix inputs)",
         fn=shift_mix,
         inputs=INPUTS,

@@ -1,0 +1,175 @@
+// rwkv7_out forward and backward on the CPU: RWKV-7's per-head GroupNorm (ln_x), the bonus and the
+// output gate, one pass over each tensor. OpenMP over ranges of the B·T rows; each row's H heads
+// of N channels in SIMD vectors (any N: a partial last vector is loaded zero-filled, masked where
+// a zero would count, and stored lane by lane).
+//
+// Layout: y, bonus, g, out and their gradients [rows, C] contiguous (rows = B·T, C = H·N); weight
+// and bias [C]; mean and rstd [rows, H] in fp64, saved by the forward for the backward. Per head:
+//   mean = Σ y / N    rstd = 1 / sqrt(Σ (y - mean)² / N + eps)    n = (y - mean) rstd
+//   out = (n ⊙ weight + bias + bonus) ⊙ g
+// Backward, with e = dout ⊙ g and q = e ⊙ weight:
+//   dg = dout ⊙ (n ⊙ weight + bias + bonus)    dbonus = e    dweight += e ⊙ n    dbias += e
+//   dy = rstd (q - mean_N(q) - n mean_N(q ⊙ n))
+// Each head takes a sweep per sum and one for the outputs, over data that stays in L1. The
+// parameter gradients (sums over the rows) go to per-thread partials, summed over the threads in
+// order at the end: deterministic for a given thread count.
+#include <omp.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "../../csrc/simd.h"
+
+namespace {
+
+using simd::Vec;
+
+// The math runs in fp64 vectors (half as many lanes as fp32's) for fp32 data too: dy is a
+// difference of terms much larger than itself (its N values sum to 0), so fp32 intermediates
+// (n, q, rstd) would leave errors of a few fp32 ulps of those terms in it. Memory stays in F.
+typedef Vec<double>::type VD;
+constexpr int L = Vec<double>::L;
+constexpr int kBlock = 64;  // rows per partial sum of the parameter gradients
+
+// The first n of L values at p (n > 0) as fp64; the lanes from n on are zero.
+template <typename F>
+inline VD ld(const F* p, int n) {
+  typedef F VF __attribute__((vector_size(L * sizeof(F))));
+  VF x = {};
+  if (n >= L)
+    std::memcpy(&x, p, sizeof(x));
+  else
+    for (int l = 0; l < n; l++) x[l] = p[l];
+  return __builtin_convertvector(x, VD);
+}
+
+template <typename F>
+inline void st(F* p, VD x, int n) {
+  typedef F VF __attribute__((vector_size(L * sizeof(F))));
+  const VF y = __builtin_convertvector(x, VF);
+  if (n >= L)
+    std::memcpy(p, &y, sizeof(y));
+  else
+    for (int l = 0; l < n; l++) p[l] = y[l];
+}
+
+// x with the lanes from n on zeroed.
+inline VD first(VD x, int n) {
+  if (n < L)
+    for (int l = n; l < L; l++) x[l] = 0;
+  return x;
+}
+
+template <typename F>
+void forward(const F* y, const F* bonus, const F* g, const F* weight, const F* bias, F* out, double* mean,
+             double* rstd, int64_t rows, int H, int N, double eps, int threads) {
+  const int C = H * N;
+#pragma omp parallel for num_threads(threads) schedule(static)
+  for (int64_t row = 0; row < rows; row++) {
+    for (int h = 0; h < H; h++) {
+      const F* yh = y + row * C + h * N;
+      VD sum = {};
+      for (int i = 0; i < N; i += L) sum += ld(yh + i, std::min(L, N - i));
+      const double mu = simd::hsum<double>(sum) / N;
+      VD sq = {};
+      for (int i = 0; i < N; i += L) {
+        const int n = std::min(L, N - i);
+        const VD d = first(ld(yh + i, n) - mu, n);
+        sq += d * d;
+      }
+      const double rs = 1 / std::sqrt(simd::hsum<double>(sq) / N + eps);
+      mean[row * H + h] = mu, rstd[row * H + h] = rs;
+      for (int i = 0; i < N; i += L) {
+        const int n = std::min(L, N - i), c = h * N + i;
+        const int64_t o = row * C + c;
+        const VD yn = (ld(y + o, n) - mu) * rs * ld(weight + c, n) + ld(bias + c, n);
+        st(out + o, (yn + ld(bonus + o, n)) * ld(g + o, n), n);
+      }
+    }
+  }
+}
+
+// The parameter gradients' sums over rows, in each thread's range of rows: body(row, partials)
+// adds a row's terms to partials [P][C]; grads[p] gets the total. The partials of kBlock rows
+// are added into the thread's totals, and the totals over the threads in order.
+template <typename F, typename Body>
+void sum_rows(int64_t rows, int P, int C, int threads, F* const* grads, Body body) {
+  std::vector<double> totals((size_t)threads * P * C, 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
+    std::vector<double> part((size_t)P * C, 0.0);
+    double* mine = totals.data() + (size_t)t * P * C;
+    for (int64_t r0 = lo; r0 < hi; r0 += kBlock) {
+      for (int64_t row = r0; row < std::min(hi, r0 + kBlock); row++) body(row, part.data());
+      for (size_t j = 0; j < part.size(); j++) mine[j] += part[j], part[j] = 0;
+    }
+  }
+  for (int p = 0; p < P; p++)
+    for (int c = 0; c < C; c++) {
+      double s = 0;
+      for (int t = 0; t < threads; t++) s += totals[((size_t)t * P + p) * C + c];
+      grads[p][c] = F(s);
+    }
+}
+
+template <typename F>
+void backward(const F* y, const F* bonus, const F* g, const F* weight, const F* bias, const double* mean,
+              const double* rstd, const F* dout, F* dy, F* dbonus, F* dg, F* dweight, F* dbias, int64_t rows, int H,
+              int N, int threads) {
+  const int C = H * N;
+  F* const grads[2] = {dweight, dbias};
+  sum_rows<F>(rows, 2, C, threads, grads, [&](int64_t row, double* part) {
+    for (int h = 0; h < H; h++) {
+      const double mu = mean[row * H + h], rs = rstd[row * H + h];
+      const int64_t base = row * C + h * N;
+      VD sq = {}, sqn = {};
+      for (int i = 0; i < N; i += L) {
+        const int n = std::min(L, N - i);
+        const int64_t o = base + i;
+        const VD q = ld(dout + o, n) * ld(g + o, n) * ld(weight + h * N + i, n);  // 0 past n
+        sq += q, sqn += q * (ld(y + o, n) - mu) * rs;
+      }
+      const double mq = simd::hsum<double>(sq) / N, mqn = simd::hsum<double>(sqn) / N;
+      for (int i = 0; i < N; i += L) {
+        const int n = std::min(L, N - i), c = h * N + i;
+        const int64_t o = base + i;
+        const VD wt = ld(weight + c, n), nv = (ld(y + o, n) - mu) * rs, dot = ld(dout + o, n);
+        const VD e = dot * ld(g + o, n);
+        st(dg + o, dot * (nv * wt + ld(bias + c, n) + ld(bonus + o, n)), n);
+        st(dbonus + o, e, n);
+        st(dy + o, rs * (e * wt - mq - nv * mqn), n);
+        double* pw = part + c;
+        double* pb = part + C + c;
+        st(pw, ld(pw, n) + e * nv, n), st(pb, ld(pb, n) + e, n);
+      }
+    }
+  });
+}
+
+}  // namespace
+
+extern "C" {
+
+#define RWKVX_EXPORT(F, SUFFIX)                                                                                   \
+  void rwkv7_out_forward_##SUFFIX(const F* y, const F* bonus, const F* g, const F* weight, const F* bias, F* out, \
+                                  double* mean, double* rstd, int rows, int H, int N, int threads, double eps) {  \
+    forward<F>(y, bonus, g, weight, bias, out, mean, rstd, rows, H, N, eps, threads);                             \
+  }                                                                                                               \
+  void rwkv7_out_backward_##SUFFIX(const F* y, const F* bonus, const F* g, const F* weight, const F* bias,        \
+                                   const double* mean, const double* rstd, const F* dout, F* dy, F* dbonus,       \
+                                   F* dg, F* dweight, F* dbias, int rows, int H, int N, int threads) {            \
+    backward<F>(y, bonus, g, weight, bias, mean, rstd, dout, dy, dbonus, dg, dweight, dbias, rows, H, N, threads); \
+  }
+
+#ifdef RWKVX_FP32
+RWKVX_EXPORT(float, f32)
+#endif
+#ifdef RWKVX_FP64
+RWKVX_EXPORT(double, f64)
+#endif
+}

@@ -1,0 +1,167 @@
+"""rwkv7_prep `cpu` backend: the fused C++ kernel of csrc/rwkv7_prep_cpu.cpp behind a
+torch.autograd.Function. One pass over each tensor, OpenMP over the B·T rows, SIMD over each
+head's channels, fp32 math (fp64 for fp64 inputs). The backward saves only the inputs and
+recomputes the elementwise work (the logistics, kk's norm, k', v', the bonus's sum).
+
+The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.rwkv7_prep_cpu_fwd` and
+`torch.ops.rwkvx.rwkv7_prep_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops), so
+torch.compile traces the autograd.Function around them with no graph break."""
+
+from __future__ import annotations
+
+import ctypes
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+
+SOURCE = Path(__file__).parent / "csrc" / "rwkv7_prep_cpu.cpp"
+
+
+def _library(precision: str = "f32") -> ctypes.CDLL:
+    return load_library(SOURCE, precision)
+
+
+@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
+def unavailable() -> str | None:
+    """None when the kernel builds and loads here, else the reason."""
+    return native_unavailable(_library)
+
+
+def _kernel(name: str, x: Tensor):
+    return kernel_entry(_library, "rwkv7_prep", name, x)
+
+
+def _threads(rows: int) -> int:
+    return max(1, min(torch.get_num_threads(), rows))
+
+
+def _ptrs(tensors, stand_in: Tensor) -> list:
+    """Pointers for the kernel; an absent tensor gets `stand_in`'s, which the kernel never reads."""
+    return [ptr(stand_in if t is None else t) for t in tensors]
+
+
+@torch.library.custom_op("rwkvx::rwkv7_prep_cpu_fwd", mutates_args=(), device_types="cpu")
+def rwkv7_prep_cpu_fwd(
+    r: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_lora: Tensor,
+    a_lora: Tensor,
+    v_first: Tensor | None,
+    v_lora: Tensor | None,
+    w0: Tensor,
+    a0: Tensor,
+    v0: Tensor | None,
+    k_k: Tensor,
+    k_a: Tensor,
+    r_k: Tensor,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The forward kernel: the sequence inputs [B, T, H, N] and the parameters [C], all fp32 or
+    all fp64; v_first, v_lora and v0 None in the first layer. Returns (w, k', v', a, b, bonus),
+    v' empty ([0]) in the first layer, where it is v itself."""
+    B, T, H, N = r.shape
+    ins = [None if x is None else x.contiguous() for x in (r, k, v, w_lora, a_lora, v_first, v_lora)]
+    params = [None if p is None else p.contiguous() for p in (w0, a0, v0, k_k, k_a, r_k)]
+    outs = _fwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+    fn = _kernel("rwkv7_prep_forward", r)
+    residual = v_first is not None
+    fn(*_ptrs((*ins, *params, *outs), r), B * T, H, N, int(residual), _threads(B * T))
+    return outs
+
+
+@rwkv7_prep_cpu_fwd.register_fake
+def _fwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+    vo = r.new_empty(r.shape if v_first is not None else (0,))
+    return (*(r.new_empty(r.shape) for _ in range(2)), vo, *(r.new_empty(r.shape) for _ in range(3)))
+
+
+@torch.library.custom_op("rwkvx::rwkv7_prep_cpu_bwd", mutates_args=(), device_types="cpu")
+def rwkv7_prep_cpu_bwd(
+    r: Tensor,
+    k: Tensor,
+    v: Tensor,
+    w_lora: Tensor,
+    a_lora: Tensor,
+    v_first: Tensor | None,
+    v_lora: Tensor | None,
+    w0: Tensor,
+    a0: Tensor,
+    v0: Tensor | None,
+    k_k: Tensor,
+    k_a: Tensor,
+    r_k: Tensor,
+    dw: Tensor | None,
+    dk_out: Tensor | None,
+    dv_out: Tensor | None,
+    da: Tensor | None,
+    db: Tensor | None,
+    dbonus: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernel: the forward's inputs and the cotangents of (w, k', v', a, b, bonus),
+    None where autograd gave none (read as zeros; dv_out None in the first layer). Returns the
+    gradients of the 13 inputs in order, the parameters' [C], those of v_first, v_lora and v0
+    empty ([0]) in the first layer."""
+    B, T, H, N = r.shape
+    ins = [None if x is None else x.contiguous() for x in (r, k, v, w_lora, a_lora, v_first, v_lora)]
+    params = [None if p is None else p.contiguous() for p in (w0, a0, v0, k_k, k_a, r_k)]
+    douts = [None if g is None else g.contiguous() for g in (dw, dk_out, dv_out, da, db, dbonus)]
+    grads = _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts)
+    present = sum(1 << i for i, g in enumerate(douts) if g is not None)
+    fn = _kernel("rwkv7_prep_backward", r)
+    residual = v_first is not None
+    fn(*_ptrs((*ins, *params, *douts, *grads), r), B * T, H, N, int(residual), present, _threads(B * T))
+    return grads
+
+
+@rwkv7_prep_cpu_bwd.register_fake
+def _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, dw, dk_out, dv_out, da, db, dbonus):
+    seq, C = r.shape, w0.shape[0]
+    absent = (0,) if v_first is None else None
+    return (
+        *(r.new_empty(seq) for _ in range(5)),
+        r.new_empty(absent or seq),
+        r.new_empty(absent or seq),
+        r.new_empty(C),
+        r.new_empty(C),
+        r.new_empty(absent or (C,)),
+        *(r.new_empty(C) for _ in range(3)),
+    )
+
+
+class _Rwkv7PrepCPU(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+        inputs = (r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+        cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
+        ins = [None if x is None else x.detach().to(cdt).contiguous() for x in inputs]
+        w, k_out, v_out, a, b, bonus = torch.ops.rwkvx.rwkv7_prep_cpu_fwd(*ins)
+        ctx.save_for_backward(*ins)  # the backward recomputes the rest from the inputs
+        ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+        ctx.set_materialize_grads(False)
+        outs = (w, k_out, v_out, a, b, bonus) if v_first is not None else (w, k_out, a, b, bonus)
+        return tuple(o.to(r.dtype) for o in outs)
+
+    @staticmethod
+    def backward(ctx, *douts):
+        ins = ctx.saved_tensors
+        if ins[5] is None:  # the first layer: no v' output here (it is v itself)
+            douts = (douts[0], douts[1], None, *douts[2:])
+        cdt = ins[0].dtype
+        douts = [None if g is None else g.to(cdt) for g in douts]
+        grads = torch.ops.rwkvx.rwkv7_prep_cpu_bwd(*ins, *douts)
+        return tuple(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+
+
+def rwkv7_prep_cpu(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+    C = r.shape[-2] * r.shape[-1]
+    residual = v_first is not None
+    w0, a0, k_k, k_a, r_k = (p.reshape(C) for p in (w0, a0, k_k, k_a, r_k))
+    v0 = v0.reshape(C) if residual else None
+    outs = _Rwkv7PrepCPU.apply(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+    if residual:
+        return outs
+    w, k_out, a, b, bonus = outs
+    return w, k_out, v, a, b, bonus  # v' is v itself
