@@ -1,7 +1,8 @@
 """shift_mix `cpu` backend: the fused C++ kernel of csrc/shift_mix_cpu.cpp behind a
 torch.autograd.Function. OpenMP over contiguous ranges of the B·T rows, SIMD over C, one pass
 over every tensor; the forward keeps the LayerNorm's per-row mean and 1/std ([B, T]) and the
-backward recomputes x̂ from x with them. fp32 math (fp64 for fp64 inputs).
+backward recomputes x̂ from x with them. fp32 or fp64 tensors, fp64 arithmetic for both (see the
+kernel's source: outputs that cancel toward 0 keep their relative accuracy).
 
 The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.shift_mix_cpu_fwd` and
 `torch.ops.rwkvx.shift_mix_cpu_bwd` (docs/operators.md#the-cpu-kernels-as-torch-ops), so

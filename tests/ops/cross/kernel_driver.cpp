@@ -5,11 +5,11 @@
 // The request names an entry point (e.g. "wkv7_forward_f32") and lists its arguments in
 // order, each a one-byte tag and a value: 'P' + u64 byte count + the bytes (a buffer),
 // 'I' + i64 (an int), 'D' + f64 (a double), 'Z' (a null pointer), 'A' + u64 count + that many
-// 'P' or 'Z' (a pointer to an array of pointers; 'Z' and 'A' are 'P' in a signature). The driver checks the tags against the entry
-// point's C signature (below), copies the buffers into 64-byte-aligned memory, makes the
-// call, and writes the reply: i64 return code (0 for the void entry points), i64
-// rwkvx_simd_bytes() of the library, then every buffer again, in order (an array's in place), as
-// the call left it.
+// 'P' or 'Z' (a pointer to an array of pointers; 'Z' and 'A' are 'P' in a signature). The
+// driver checks the tags against the entry point's C signature (below), copies the buffers into
+// 64-byte-aligned memory, makes the call, and writes the reply: i64 return code (0 for the void
+// entry points), i64 rwkvx_simd_bytes() of the library, then every buffer again, in order (an
+// array's in place), as the call left it.
 // tests/ops/cross/qemu.py builds this file and speaks the protocol.
 #include <dlfcn.h>
 

@@ -12,14 +12,14 @@
 //
 // Forward, per row: n = (x - mean) rstd (two-pass statistics, biased variance), x̂ = n w + b,
 //   y_m = x̂ + (x̂[t-1] - x̂) mix_m   (x̂[-1] = state),  state_out = x̂[T-1]
-// Backward, per row in reverse (nxt = Σ_m dy_m[t+1] mix_m, carried from the row after, or
-// dstate_out at t = T-1; at t = 0 its own Σ_m dy_m mix_m is dstate):
+// Backward, per row (nxt = Σ_m dy_m[t+1] mix_m, which row t+1 computes, or dstate_out at
+// t = T-1; at t = 0 the row's own Σ_m dy_m mix_m is dstate):
 //   dx̂ = Σ_m dy_m (1 - mix_m) + nxt        dmix_m += dy_m (x̂[t-1] - x̂)
 //   dw += dx̂ n   db += dx̂   g = dx̂ w     dx = rstd (g - mean_C(g) - n mean_C(g n)) + dx_add
 // The parameter gradients are summed per thread (fp64) and the thread partials added in thread
 // order at the end: the result depends on the thread count only through rounding. Each thread's
-// scratch (those sums, the carried row, a row of g; the forward: two rows of x̂) and fp64 copies
-// of the parameters are all the kernel allocates.
+// scratch (those sums and a few rows: the forward's x̂[t-1] and x̂, the backward's carried parts of
+// dx̂ and a row of g) and fp64 copies of the parameters are all the kernel allocates.
 #include <omp.h>
 
 #include <algorithm>
@@ -40,13 +40,10 @@ namespace {
 // The math runs in fp64 whatever the storage: x̂ and the outputs are differences of O(1) terms
 // that come close to 0, where fp32 arithmetic (the torch composition's) would leave an absolute
 // error of a few ulps of 1; in fp64 each output is the correctly rounded value of the exact one
-// but for its inputs' rounding. The kernel is memory-bound, so the wider arithmetic costs little;
-// fp32 values are converted as they are loaded and stored, L at a time (half a vector of them).
-template <typename F>
-struct Unit {
-  static constexpr int L = simd::Vec<double>::L;
-  typedef simd::Vec<double>::type W;
-};
+// but for its inputs' rounding. fp32 values are converted as they are loaded and stored, L at a
+// time (half a storage vector of them; the forward's output stores join two, see lerps).
+typedef simd::Vec<double>::type V;
+constexpr int L = simd::Vec<double>::L;
 
 constexpr int64_t GRAIN = 8192;  // elements per thread at least: a smaller share costs more to start than it saves
 
@@ -69,11 +66,9 @@ inline simd::Vec<double>::type widen(const float* p) {
 }
 
 // The first n values (0 < n <= L) of p in fp64 lanes, the tail lanes 0; and the store back.
-template <typename F, typename T>
-inline typename Unit<F>::W load(const T* p, int n) {
-  typedef typename Unit<F>::W W;
-  constexpr int L = Unit<F>::L;
-  W x = {};
+template <typename T>
+inline V load(const T* p, int n) {
+  V x = {};
   if (n == L) {
     if constexpr (sizeof(T) == sizeof(double)) {
       std::memcpy(&x, p, sizeof(x));
@@ -86,9 +81,8 @@ inline typename Unit<F>::W load(const T* p, int n) {
   return x;
 }
 
-template <typename F, typename T>
-inline void store(T* p, typename Unit<F>::W x, int n) {
-  constexpr int L = Unit<F>::L;
+template <typename T>
+inline void store(T* p, V x, int n) {
   if (n == L) {
     typedef T H __attribute__((vector_size(L * sizeof(T))));
     const H h = __builtin_convertvector(x, H);
@@ -109,14 +103,13 @@ inline auto join(H lo, H hi) {
   return join(lo, hi, std::make_index_sequence<2 * sizeof(H) / sizeof(lo[0])>{});
 }
 
-template <typename W>
-inline double lane_sum(W x) {
+inline double lane_sum(V x) {
   double s = 0;
-  for (int l = 0; l < (int)(sizeof(W) / sizeof(double)); l++) s += x[l];
+  for (int l = 0; l < L; l++) s += x[l];
   return s;
 }
 
-inline int lanes(int C, int c, int L) { return C - c < L ? C - c : L; }
+inline int lanes(int C, int c) { return C - c < L ? C - c : L; }
 
 // Rows [r0, r1) of thread i of nt: contiguous, in thread order.
 inline void share(int64_t rows, int i, int nt, int64_t& r0, int64_t& r1) {
@@ -142,22 +135,20 @@ const double* as_double(const F* p, int64_t n, std::vector<double>& copy) {
 // The row's mean and 1/std, two passes over it (in L1 for the second), in four chains of adds.
 template <typename F>
 inline void row_stats(const F* x, int C, double eps, double& mean, double& rstd) {
-  typedef typename Unit<F>::W W;
-  constexpr int L = Unit<F>::L;
-  W a[4] = {};
+  V a[4] = {};
   int c = 0;
   for (; c + 4 * L <= C; c += 4 * L)
-    for (int k = 0; k < 4; k++) a[k] += load<F>(x + c + k * L, L);
-  for (int k = 0; c < C; c += L, k++) a[k] += load<F>(x + c, lanes(C, c, L));
+    for (int k = 0; k < 4; k++) a[k] += load(x + c + k * L, L);
+  for (int k = 0; c < C; c += L, k++) a[k] += load(x + c, lanes(C, c));
   mean = lane_sum((a[0] + a[1]) + (a[2] + a[3])) / C;
-  for (int k = 0; k < 4; k++) a[k] = W{};
+  for (int k = 0; k < 4; k++) a[k] = V{};
   for (c = 0; c + 4 * L <= C; c += 4 * L)
     for (int k = 0; k < 4; k++) {
-      const W d = load<F>(x + c + k * L, L) - mean;
+      const V d = load(x + c + k * L, L) - mean;
       a[k] += d * d;
     }
   for (int k = 0; c + L <= C; c += L, k++) {
-    const W d = load<F>(x + c, L) - mean;
+    const V d = load(x + c, L) - mean;
     a[k] += d * d;
   }
   double q = lane_sum((a[0] + a[1]) + (a[2] + a[3]));
@@ -165,6 +156,7 @@ inline void row_stats(const F* x, int C, double eps, double& mean, double& rstd)
   rstd = 1 / std::sqrt(q / C + eps);
 }
 
+// A plain loop: the compiler vectorises it, converting fp32 a whole vector at a time.
 template <typename F>
 inline void lerp_inputs(const F* __restrict x, const double* __restrict w, const double* __restrict b, double mu,
                         double rs, double* __restrict xn, double* __restrict d, int C) {
@@ -179,25 +171,21 @@ inline void lerp_inputs(const F* __restrict x, const double* __restrict w, const
 template <typename F>
 inline void lerps(const double* __restrict xn, const double* __restrict d, const double* __restrict mix,
                   F* const* ys, int64_t offset, int C, int M) {
-  typedef simd::Vec<double>::type V;
   typedef typename simd::Vec<F>::type FV;
-  constexpr int L = simd::Vec<double>::L, LF = simd::Vec<F>::L;
+  constexpr int LF = simd::Vec<F>::L;
   int c = 0;
   for (; c + LF <= C; c += LF) {
-    V x[LF / L], dd[LF / L];
-    for (int k = 0; k < LF / L; k++) std::memcpy(&x[k], xn + c + k * L, sizeof(V)), std::memcpy(&dd[k], d + c + k * L, sizeof(V));
+    const V x0 = load(xn + c, L), d0 = load(d + c, L);
+    const V x1 = LF > L ? load(xn + c + L, L) : V{}, d1 = LF > L ? load(d + c + L, L) : V{};
     for (int m = 0; m < M; m++) {
+      const double* mx = mix + (int64_t)m * C + c;
       FV out;
       if constexpr (LF == L) {
-        V mx;
-        std::memcpy(&mx, mix + (int64_t)m * C + c, sizeof(V));
-        out = x[0] + dd[0] * mx;
+        out = x0 + d0 * load(mx, L);
       } else {  // fp32: two fp64 vectors, narrowed and joined
         typedef F H __attribute__((vector_size(sizeof(FV) / 2)));
-        V m0, m1;
-        std::memcpy(&m0, mix + (int64_t)m * C + c, sizeof(V)), std::memcpy(&m1, mix + (int64_t)m * C + c + L, sizeof(V));
-        const H lo = __builtin_convertvector(x[0] + dd[0] * m0, H), hi = __builtin_convertvector(x[1] + dd[1] * m1, H);
-        out = join(lo, hi);
+        out = join(__builtin_convertvector(x0 + d0 * load(mx, L), H),
+                   __builtin_convertvector(x1 + d1 * load(mx + L, L), H));
       }
       std::memcpy(ys[m] + offset + c, &out, sizeof(out));
     }
@@ -212,7 +200,8 @@ void forward(const F* x, const F* weight, const F* bias, const F* mix, const F* 
   const int64_t rows = (int64_t)B * T;
   if (rows == 0 || C == 0) return;
   std::vector<double> wc, bc, mc;
-  const double *w64 = as_double(weight, C, wc), *b64 = as_double(bias, C, bc), *m64 = as_double(mix, (int64_t)M * C, mc);
+  const double *w64 = as_double(weight, C, wc), *b64 = as_double(bias, C, bc);
+  const double* m64 = as_double(mix, (int64_t)M * C, mc);
   const int nt = team(threads, rows, C);
   std::vector<double> rows64((size_t)nt * 2 * C);  // per thread: x̂ of the row before and of this one
 #pragma omp parallel num_threads(nt)
@@ -232,10 +221,7 @@ void forward(const F* x, const F* weight, const F* bias, const F* mix, const F* 
       row_stats(x + r * C, C, eps, mu, rs);
       mean[r] = (F)mu, rstd[r] = (F)rs;
       if (!t) std::copy(state + b * C, state + (b + 1) * C, prev);
-      // Plain loops, which the compiler vectorises with whole-vector fp32 loads and stores (its
-      // own conversions pack two fp64 vectors into one store, where a store per fp64 vector would
-      // halve the stores in flight, and the M output streams are store-bound): x̂ into cur, and
-      // x̂[t-1] - x̂ into prev, in place; then each output row in turn.
+      // x̂ into cur and x̂[t-1] - x̂ into prev, in place; then the outputs
       lerp_inputs(x + r * C, w64, b64, mu, rs, cur, prev, C);
       lerps(cur, prev, m64, ys, r * C, C, M);
       if (t == T - 1) std::copy(cur, cur + C, state_out + b * C);
@@ -249,8 +235,6 @@ void forward(const F* x, const F* weight, const F* bias, const F* mix, const F* 
 // nxt = Σ_m dy_m[t] mix_m, so row t-1 is finished one row later.
 template <typename F>
 struct Backward {
-  typedef typename Unit<F>::W W;
-  static constexpr int L = Unit<F>::L;
   const F *const *dys, *dstate_out, *x, *mix, *state, *mean, *rstd, *dx_add;
   const double *w, *b;
   F *dx, *dstate;
@@ -265,64 +249,64 @@ struct Backward {
     const F* xr = x + r * C;
     const double mu = mean[r], rs = rstd[r], mu_p = t ? mean[r - 1] : 0, rs_p = t ? rstd[r - 1] : 0;
     for (int c = 0; c < C; c += L) {
-      const int n = lanes(C, c, L);
-      const W wv = load<F>(w + c, n), nc = (load<F>(xr + c, n) - mu) * rs;
+      const int n = lanes(C, c);
+      const V wv = load(w + c, n), nc = (load(xr + c, n) - mu) * rs;
       // x̂[t-1] - x̂[t]: the bias cancels but at t = 0, where x̂[t-1] is the state
-      const W d = t ? ((load<F>(xr - C + c, n) - mu_p) * rs_p - nc) * wv
-                    : load<F>(state + bb * C + c, n) - (nc * wv + load<F>(b + c, n));
-      W o = {}, s = {};
+      const V d = t ? ((load(xr - C + c, n) - mu_p) * rs_p - nc) * wv
+                    : load(state + bb * C + c, n) - (nc * wv + load(b + c, n));
+      V o = {}, s = {};
       for (int p = 0; p < P; p++) {
         const int m = present[p];
-        const W dy = load<F>(dys[m] + r * C + c, n), dymx = dy * load<F>(mix + (int64_t)m * C + c, n);
+        const V dy = load(dys[m] + r * C + c, n), dymx = dy * load(mix + (int64_t)m * C + c, n);
         o += dy - dymx, s += dymx;
         double* dmc = dm + (int64_t)m * C + c;
-        store<F>(dmc, load<F>(dmc, n) + dy * d, n);
+        store(dmc, load(dmc, n) + dy * d, n);
       }
-      store<F>(own + c, o, n);
+      store(own + c, o, n);
       if (t)
-        store<F>(nx + c, s, n);
+        store(nx + c, s, n);
       else
-        store<F>(dstate + bb * C + c, s, n);
+        store(dstate + bb * C + c, s, n);
     }
   }
 
   // Row r's nxt alone (the row after a thread's range).
   void next_part(int64_t r, double* nx) const {
     for (int c = 0; c < C; c += L) {
-      const int n = lanes(C, c, L);
-      W s = {};
+      const int n = lanes(C, c);
+      V s = {};
       for (int p = 0; p < P; p++) {
         const int m = present[p];
-        s += load<F>(dys[m] + r * C + c, n) * load<F>(mix + (int64_t)m * C + c, n);
+        s += load(dys[m] + r * C + c, n) * load(mix + (int64_t)m * C + c, n);
       }
-      store<F>(nx + c, s, n);
+      store(nx + c, s, n);
     }
   }
 
-  // Row r with dx̂ = own + nxt (nxt of type T: the carried row, or dstate_out's; null: 0).
+  // Row r with dx̂ = own + nxt (the carried row, or dstate_out's row; null: 0).
   template <typename N>
   void finish(int64_t r, const double* own, const N* nxt) const {
     const F* xr = x + r * C;
     const double mu = mean[r], rs = rstd[r];
-    W sg[2] = {}, sgn[2] = {};
+    V sg[2] = {}, sgn[2] = {};
     for (int c = 0, k = 0; c < C; c += L, k ^= 1) {
-      const int n = lanes(C, c, L);
-      const W nc = (load<F>(xr + c, n) - mu) * rs;
-      const W dxh = load<F>(own + c, n) + (nxt ? load<F>(nxt + c, n) : W{});
-      store<F>(dw + c, load<F>(dw + c, n) + dxh * nc, n), store<F>(db + c, load<F>(db + c, n) + dxh, n);
-      const W gv = dxh * load<F>(w + c, n);  // 0 in the tail lanes (w loads 0 there)
+      const int n = lanes(C, c);
+      const V nc = (load(xr + c, n) - mu) * rs;
+      const V dxh = load(own + c, n) + (nxt ? load(nxt + c, n) : V{});
+      store(dw + c, load(dw + c, n) + dxh * nc, n), store(db + c, load(db + c, n) + dxh, n);
+      const V gv = dxh * load(w + c, n);  // 0 in the tail lanes (w loads 0 there)
       sg[k] += gv, sgn[k] += gv * nc;
-      store<F>(g + c, gv, n);
+      store(g + c, gv, n);
     }
     const double mg = lane_sum(sg[0] + sg[1]) / C, mgn = lane_sum(sgn[0] + sgn[1]) / C;
     const F* add = dx_add ? dx_add + r * C : nullptr;
     F* dxr = dx + r * C;
     for (int c = 0; c < C; c += L) {
-      const int n = lanes(C, c, L);
-      const W nc = (load<F>(xr + c, n) - mu) * rs;
-      W out = rs * (load<F>(g + c, n) - mg - nc * mgn);
-      if (add) out += load<F>(add + c, n);
-      store<F>(dxr + c, out, n);
+      const int n = lanes(C, c);
+      const V nc = (load(xr + c, n) - mu) * rs;
+      V out = rs * (load(g + c, n) - mg - nc * mgn);
+      if (add) out += load(add + c, n);
+      store(dxr + c, out, n);
     }
   }
 
