@@ -84,6 +84,16 @@ inline void add(F* p, V<F> x, int n) {
   st(p, ld(p, n) + x, n);
 }
 
+// f(i, n) over a head's N channels, L at a time: the whole vectors with n = L, so that their code
+// (f is inlined at both calls) has no partial-vector paths, then the partial one if any.
+#define RWKVX_INLINE __attribute__((always_inline))
+template <int L, typename Fn>
+RWKVX_INLINE inline void sweep(int N, Fn&& f) {
+  int i = 0;
+  for (; i + L <= N; i += L) f(i, L);
+  if (i < N) f(i, N - i);
+}
+
 // σ(z) with the exponent kept <= 0: 1 / (1 + e^{-z}) for z >= 0, e^z / (1 + e^z) below.
 template <typename Vt>
 inline Vt sigmoid(Vt z) {
@@ -107,8 +117,8 @@ void forward(const F* r, const F* k, const F* v, const F* wl, const F* al, const
     for (int h = 0; h < H; h++) {
       const int64_t base = row * C + h * N;
       Vt sxx = {}, srk = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = sigmoid(ld(a0 + c, n) + ld(al + o, n));
         const Vt kt = ld(k + o, n);
@@ -123,15 +133,14 @@ void forward(const F* r, const F* k, const F* v, const F* wl, const F* al, const
           const Vt vt = ld(v + o, n);
           st(vo + o, vt + (ld(vf + o, n) - vt) * sigmoid(ld(v0 + c, n) + ld(vl + o, n)), n);
         }
-      }
+      });
       const F inv = F(1) / std::max(std::sqrt(simd::hsum<F>(sxx)), F(kNormEps)), s = simd::hsum<F>(srk);
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i);
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
         const int64_t o = base + i;
         const Vt kkv = ld(a + o, n) * inv;
         st(a + o, -kkv, n), st(b + o, kkv * ld(b + o, n), n);
         st(bonus + o, s * ld(vp + o, n), n);
-      }
+      });
     }
   }
 }
@@ -177,8 +186,8 @@ void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, cons
     for (int h = 0; h < H; h++) {
       const int64_t base = row * C + h * N;
       Vt sxx = {}, sxd = {}, srk = {}, sdb = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = sigmoid(ld(a0 + c, n) + ld(al + o, n));
         const Vt kt = ld(k + o, n), x = kt * ld(kk + c, n);
@@ -193,12 +202,12 @@ void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, cons
           st(dvl + o, sv, n);
         }
         if (dense || dbo) sdb += ld(dbo + o, n) * vp;
-      }
+      });
       const F nrm = std::sqrt(simd::hsum<F>(sxx)), inv = F(1) / std::max(nrm, F(kNormEps));
       const F q = nrm > F(kNormEps) ? inv * inv * inv * simd::hsum<F>(sxd) : F(0);
       const F s = simd::hsum<F>(srk), ds = simd::hsum<F>(sdb);
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = ld(dal + o, n), kt = ld(k + o, n), rt = ld(r + o, n);
         const Vt kkc = ld(kk + c, n), kac = ld(ka + c, n), rkc = ld(rk + c, n);
@@ -222,7 +231,7 @@ void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, cons
         } else {
           st(dv + o, dvp, n);
         }
-      }
+      });
     }
   });
 }
