@@ -12,13 +12,16 @@ from rwkvx_cli.models import build_model
 from rwkvx_cli.ops import gdn, kda, rwkv8, wkv4, wkv7
 from rwkvx_cli.ops.channel_mix import cpu as channel_mix_cpu
 from rwkvx_cli.ops.delta import cpu as delta_cpu
+from rwkvx_cli.ops.rwkv7_out import cpu as rwkv7_out_cpu
+from rwkvx_cli.ops.rwkv7_prep import cpu as rwkv7_prep_cpu
 from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
 from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
 from rwkvx_cli.ops.wkv7 import cpu as wkv7_cpu
 
 KERNELS = {"wkv7": wkv7_cpu, "wkv4": wkv4_cpu, "rwkv8": rwkv8_cpu, "delta": delta_cpu}
-KERNELS.update(shift_mix=shift_mix_cpu, channel_mix=channel_mix_cpu)
+KERNELS |= {"rwkv7_prep": rwkv7_prep_cpu, "rwkv7_out": rwkv7_out_cpu}
+KERNELS |= {"shift_mix": shift_mix_cpu, "channel_mix": channel_mix_cpu}
 unavailable = next((why for m in KERNELS.values() if (why := m.unavailable()) is not None), None)
 pytestmark = pytest.mark.skipif(unavailable is not None, reason=f"no CPU kernels here: {unavailable}")
 
@@ -116,15 +119,36 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck():
             *(0.5, chunk),
         ),
     }
-    calls.update(block_op_calls())
     for op, args in calls.items():
         torch.library.opcheck(op, args)
+    for args in block_op_calls():
+        torch.library.opcheck(*args)
 
 
 def block_op_calls():
-    """The fused block ops' kernels: shift_mix's (one output's cotangent absent, a residual
-    gradient added) and relu²'s."""
+    """(op, args) of the fused block ops' kernels: rwkv7_prep with and without the value residual
+    (the first layer's None inputs), its backward with every cotangent and with some absent;
+    shift_mix's (one output's cotangent absent, a residual gradient added) and relu²'s."""
     gen = torch.Generator().manual_seed(1)
+    seq = [rand(B, T, H, N, gen=gen) for _ in range(7)]
+    params = [rand(H * N, gen=gen) for _ in range(6)]
+    first = [*seq[:5], None, None, params[0], params[1], None, *params[3:]]
+    prep_fwd, prep_bwd = torch.ops.rwkvx.rwkv7_prep_cpu_fwd, torch.ops.rwkvx.rwkv7_prep_cpu_bwd
+    cots = [torch.randn_like(seq[0]) for _ in range(6)]
+    y, bonus, g = seq[:3]
+    o, mean, rstd = torch.ops.rwkvx.rwkv7_out_cpu_fwd(y, bonus, g, params[0], params[1], 64e-5)
+    return [
+        (prep_fwd, (*seq, *params)),
+        (prep_fwd, tuple(first)),
+        (prep_bwd, (*seq, *params, *cots)),
+        (prep_bwd, (*first, cots[0], cots[1], None, cots[3], None, cots[5])),
+        (torch.ops.rwkvx.rwkv7_out_cpu_fwd, (y, bonus, g, params[0], params[1], 64e-5)),
+        (torch.ops.rwkvx.rwkv7_out_cpu_bwd, (y, bonus, g, params[0], params[1], mean, rstd, torch.randn_like(o))),
+        *shift_mix_calls(gen),
+    ]
+
+
+def shift_mix_calls(gen):
     C = H * N
     x = 0.3 + torch.randn(B, T, C, generator=gen)
     sm = (x, 0.5 + torch.rand(C, generator=gen), 0.2 * torch.randn(C, generator=gen), torch.rand(3, C, generator=gen))
@@ -132,12 +156,12 @@ def block_op_calls():
     ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(*sm, 1e-5)
     dys = [torch.randn_like(ys[0]), None, torch.randn_like(ys[2])]
     h = torch.randn(B, T, 4 * C, generator=gen)
-    return {
-        torch.ops.rwkvx.shift_mix_cpu_fwd: (*sm, 1e-5),
-        torch.ops.rwkvx.shift_mix_cpu_bwd: (dys, torch.randn_like(s_out), *sm, mean, rstd, torch.randn_like(x)),
-        torch.ops.rwkvx.relu2_cpu_fwd: (h,),
-        torch.ops.rwkvx.relu2_cpu_bwd: (torch.randn_like(h), torch.relu(h).square()),
-    }
+    return [
+        (torch.ops.rwkvx.shift_mix_cpu_fwd, (*sm, 1e-5)),
+        (torch.ops.rwkvx.shift_mix_cpu_bwd, (dys, torch.randn_like(s_out), *sm, mean, rstd, torch.randn_like(x))),
+        (torch.ops.rwkvx.relu2_cpu_fwd, (h,)),
+        (torch.ops.rwkvx.relu2_cpu_bwd, (torch.randn_like(h), torch.relu(h).square())),
+    ]
 
 
 @pytest.mark.slow  # an inductor compile of every op: make test-slow (CI)

@@ -39,8 +39,9 @@ def _threads(rows: int) -> int:
 
 
 def _ptrs(tensors, stand_in: Tensor) -> list:
-    """Pointers for the kernel; an absent tensor gets `stand_in`'s, which the kernel never reads."""
-    return [ptr(stand_in if t is None else t) for t in tensors]
+    """Pointers for the kernel; an absent tensor (None, or an empty output) gets `stand_in`'s, which
+    the kernel never touches."""
+    return [ptr(stand_in if t is None or t.numel() == 0 else t) for t in tensors]
 
 
 @torch.library.custom_op("rwkvx::rwkv7_prep_cpu_fwd", mutates_args=(), device_types="cpu")

@@ -28,7 +28,7 @@ namespace {
   std::exit(2);
 }
 
-// Every entry point's C signature as tags: pointers, ints, one double (delta only).
+// Every entry point's C signature as tags: pointers, ints, one double (delta's scale, rwkv7_out's eps).
 struct Entry {
   const char* name;  // without the _f32 / _f64 suffix
   const char* tags;
@@ -42,6 +42,10 @@ const Entry kEntries[] = {
     {"rwkv8_backward", "PPPPPPPPPPPPPIIIIIIII"},
     {"delta_forward", "PPPPPPPPPPIIIIIDII"},
     {"delta_backward", "PPPPPPPPPPPPPPIIIIIDII"},
+    {"rwkv7_prep_forward", "PPPPPPPPPPPPPPPPPPPIIIII"},
+    {"rwkv7_prep_backward", "PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPIIIIII"},
+    {"rwkv7_out_forward", "PPPPPPPPIIIID"},
+    {"rwkv7_out_backward", "PPPPPPPPPPPPPIIII"},
     {"shift_mix_forward", "PPPPPPPPPIIIIID"},
     {"shift_mix_backward", "PPPPPPPPPPPPPPPIIIII"},
     {"channel_mix_forward", "PPIII"},
@@ -67,6 +71,20 @@ bool call_void(void* fn, const std::vector<void*>& p, const std::vector<int>& i)
   return call_void<NP, NI>(fn, p, i, std::make_index_sequence<NP>{}, std::make_index_sequence<NI>{});
 }
 
+// A void entry point of NP pointers, NI ints, then one double (rwkv7_out's and shift_mix's eps).
+template <size_t NP, size_t NI, size_t... P, size_t... I>
+bool call_void_d(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d,
+                 std::index_sequence<P...>, std::index_sequence<I...>) {
+  if (p.size() != NP || i.size() != NI) return false;
+  reinterpret_cast<void (*)(Ptr<P>..., Int<I>..., double)>(fn)(p[P]..., i[I]..., d);
+  return true;
+}
+
+template <size_t NP, size_t NI>
+bool call_void_d(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d) {
+  return call_void_d<NP, NI>(fn, p, i, d, std::make_index_sequence<NP>{}, std::make_index_sequence<NI>{});
+}
+
 // delta's entry points: NP pointers, five ints, the scale, two ints; returns a status.
 template <size_t NP, size_t... P>
 bool call_delta(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d, int64_t* rc,
@@ -80,20 +98,6 @@ bool call_delta(void* fn, const std::vector<void*>& p, const std::vector<int>& i
 template <size_t NP>
 bool call_delta(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d, int64_t* rc) {
   return call_delta<NP>(fn, p, i, d, rc, std::make_index_sequence<NP>{});
-}
-
-// A void entry point of NP pointers, NI ints, then a double (shift_mix's forward: eps).
-template <size_t NP, size_t NI, size_t... P, size_t... I>
-bool call_void_double(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d,
-                      std::index_sequence<P...>, std::index_sequence<I...>) {
-  if (p.size() != NP || i.size() != NI) return false;
-  reinterpret_cast<void (*)(Ptr<P>..., Int<I>..., double)>(fn)(p[P]..., i[I]..., d);
-  return true;
-}
-
-template <size_t NP, size_t NI>
-bool call_void_double(void* fn, const std::vector<void*>& p, const std::vector<int>& i, double d) {
-  return call_void_double<NP, NI>(fn, p, i, d, std::make_index_sequence<NP>{}, std::make_index_sequence<NI>{});
 }
 
 template <typename T>
@@ -166,13 +170,14 @@ int main(int argc, char** argv) {
   int64_t rc = 0;
   const bool called = base.rfind("delta_", 0) == 0
                           ? call_delta<10>(fn, ptrs, ints, scale, &rc) || call_delta<14>(fn, ptrs, ints, scale, &rc)
+                      : tags.back() == 'D'
+                          ? call_void_d<8, 4>(fn, ptrs, ints, scale) || call_void_d<9, 5>(fn, ptrs, ints, scale)
                           : call_void<11, 6>(fn, ptrs, ints) || call_void<17, 6>(fn, ptrs, ints) ||
                                 call_void<12, 5>(fn, ptrs, ints) || call_void<18, 5>(fn, ptrs, ints) ||
                                 call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints) ||
-                                (tags.back() == 'D' ? call_void_double<9, 5>(fn, ptrs, ints, scale)
-                                                    : call_void<15, 5>(fn, ptrs, ints) ||
-                                                          call_void<2, 3>(fn, ptrs, ints) ||
-                                                          call_void<3, 3>(fn, ptrs, ints));
+                                call_void<19, 5>(fn, ptrs, ints) || call_void<32, 6>(fn, ptrs, ints) ||
+                                call_void<13, 4>(fn, ptrs, ints) || call_void<15, 5>(fn, ptrs, ints) ||
+                                call_void<2, 3>(fn, ptrs, ints) || call_void<3, 3>(fn, ptrs, ints);
   if (!called) fail("no call shape for " + symbol);
 
   auto simd_bytes = reinterpret_cast<int (*)()>(dlsym(lib, "rwkvx_simd_bytes"));

@@ -2,7 +2,7 @@
 
 The aarch64 build is the `generic` one (no ISA flags): csrc/simd.h then gives 16-byte
 NEON vectors and blocks for 32 registers, code no x86 build compiles. `CrossBuild`
-compiles the kernel libraries with the cross compiler and kernel_driver.cpp next
+compiles every kernel library (KERNEL_MODULES) with the cross compiler and kernel_driver.cpp next
 to this file; `use_cross_build` points every op's `cpu` backend at them, so the ops'
 own wrappers, custom ops and autograd glue run unchanged and only the kernel calls
 cross over: each call's buffers go to the driver under qemu, and the buffers it hands
@@ -24,6 +24,8 @@ import torch
 from rwkvx_cli import native as _native
 from rwkvx_cli.ops.channel_mix import cpu as channel_mix_cpu
 from rwkvx_cli.ops.delta import cpu as delta_cpu
+from rwkvx_cli.ops.rwkv7_out import cpu as rwkv7_out_cpu
+from rwkvx_cli.ops.rwkv7_prep import cpu as rwkv7_prep_cpu
 from rwkvx_cli.ops.rwkv8 import cpu as rwkv8_cpu
 from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 from rwkvx_cli.ops.wkv4 import cpu as wkv4_cpu
@@ -33,7 +35,16 @@ CXX = "aarch64-linux-gnu-g++"
 QEMU = "qemu-aarch64"
 SYSROOT = Path("/usr/aarch64-linux-gnu")  # the cross toolchain's libc, libstdc++ and libgomp
 DRIVER = Path(__file__).with_name("kernel_driver.cpp")
-KERNEL_MODULES = (wkv7_cpu, wkv4_cpu, rwkv8_cpu, delta_cpu, shift_mix_cpu, channel_mix_cpu)
+KERNEL_MODULES = (
+    wkv7_cpu,
+    wkv4_cpu,
+    rwkv8_cpu,
+    delta_cpu,
+    rwkv7_prep_cpu,
+    rwkv7_out_cpu,
+    shift_mix_cpu,
+    channel_mix_cpu,
+)
 NEON_BYTES = 16
 
 

@@ -23,6 +23,10 @@
 
 #include "../../csrc/simd.h"
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
 namespace {
 
 using simd::Vec;
@@ -34,26 +38,39 @@ typedef Vec<double>::type VD;
 constexpr int L = Vec<double>::L;
 constexpr int kBlock = 64;  // rows per partial sum of the parameter gradients
 
-// The first n of L values at p (n > 0) as fp64; the lanes from n on are zero.
+// The first n of L values at p (n > 0) as fp64; the lanes from n on are zero. The partial
+// vector has a path of its own: one shared with the full load would keep the vector on the stack.
 template <typename F>
 inline VD ld(const F* p, int n) {
   typedef F VF __attribute__((vector_size(L * sizeof(F))));
-  VF x = {};
-  if (n >= L)
+  if (n >= L) {
+    if constexpr (sizeof(F) == 4) {  // GCC 12 converts a half-width fp32 vector in pieces
+#if defined(__AVX512F__) && RWKVX_SIMD_BYTES == 64
+      return (VD)_mm512_cvtps_pd(_mm256_loadu_ps(p));
+#elif defined(__AVX__) && RWKVX_SIMD_BYTES == 32
+      return (VD)_mm256_cvtps_pd(_mm_loadu_ps(p));
+#elif defined(__SSE2__) && RWKVX_SIMD_BYTES == 16
+      return (VD)_mm_cvtps_pd(_mm_castsi128_ps(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(p))));
+#endif
+    }
+    VF x;
     std::memcpy(&x, p, sizeof(x));
-  else
-    for (int l = 0; l < n; l++) x[l] = p[l];
-  return __builtin_convertvector(x, VD);
+    return __builtin_convertvector(x, VD);
+  }
+  VD x = {};
+  for (int l = 0; l < n; l++) x[l] = p[l];
+  return x;
 }
 
 template <typename F>
 inline void st(F* p, VD x, int n) {
   typedef F VF __attribute__((vector_size(L * sizeof(F))));
-  const VF y = __builtin_convertvector(x, VF);
-  if (n >= L)
+  if (n >= L) {
+    const VF y = __builtin_convertvector(x, VF);
     std::memcpy(p, &y, sizeof(y));
-  else
-    for (int l = 0; l < n; l++) p[l] = y[l];
+    return;
+  }
+  for (int l = 0; l < n; l++) p[l] = F(x[l]);
 }
 
 // x with the lanes from n on zeroed.
@@ -61,6 +78,28 @@ inline VD first(VD x, int n) {
   if (n < L)
     for (int l = n; l < L; l++) x[l] = 0;
   return x;
+}
+
+// f(i, n) over a head's N channels, L at a time: the whole vectors with n = L, so that their code
+// (f is inlined at both calls) has no partial-vector paths, then the partial one if any.
+#define RWKVX_INLINE __attribute__((always_inline))
+template <typename Fn>
+RWKVX_INLINE inline void sweep(int N, Fn&& f) {
+  int i = 0;
+  for (; i + L <= N; i += L) f(i, L);
+  if (i < N) f(i, N - i);
+}
+
+// K sums over a head's N channels into out[K]: f(i, n, s) adds the terms of channels i .. i + n
+// to the vectors s[K]. Four sets of partial sums, so that a head is not one chain of dependent
+// adds (at N = 64, sixteen of them, twice per head, would set the pace).
+template <int K, typename Fn>
+inline void head_sums(int N, double* out, Fn f) {
+  VD s0[K] = {}, s1[K] = {}, s2[K] = {}, s3[K] = {};
+  int i = 0;
+  for (; i + 4 * L <= N; i += 4 * L) f(i, L, s0), f(i + L, L, s1), f(i + 2 * L, L, s2), f(i + 3 * L, L, s3);
+  for (; i < N; i += L) f(i, std::min(L, N - i), s0);
+  for (int k = 0; k < K; k++) out[k] = simd::hsum<double>((s0[k] + s1[k]) + (s2[k] + s3[k]));
 }
 
 template <typename F>
@@ -71,23 +110,24 @@ void forward(const F* y, const F* bonus, const F* g, const F* weight, const F* b
   for (int64_t row = 0; row < rows; row++) {
     for (int h = 0; h < H; h++) {
       const F* yh = y + row * C + h * N;
-      VD sum = {};
-      for (int i = 0; i < N; i += L) sum += ld(yh + i, std::min(L, N - i));
-      const double mu = simd::hsum<double>(sum) / N;
-      VD sq = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i);
-        const VD d = first(ld(yh + i, n) - mu, n);
-        sq += d * d;
-      }
-      const double rs = 1 / std::sqrt(simd::hsum<double>(sq) / N + eps);
+      // One sweep for both moments of d = y - y[0]: var = E[d²] - E[d]², and since
+      // (y[0] - mean)² <= N var, E[d²] <= (N + 1) var: the difference costs at most
+      // log2(N + 1) of fp64's 53 bits, whatever the mean.
+      const double y0 = yh[0];
+      double sums[2];
+      head_sums<2>(N, sums, [&](int i, int n, VD* s) {
+        const VD d = first(ld(yh + i, n) - y0, n);
+        s[0] += d, s[1] += d * d;
+      });
+      const double md = sums[0] / N, mu = y0 + md;
+      const double rs = 1 / std::sqrt(std::max(sums[1] / N - md * md, 0.0) + eps);
       mean[row * H + h] = mu, rstd[row * H + h] = rs;
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = row * C + c;
         const VD yn = (ld(y + o, n) - mu) * rs * ld(weight + c, n) + ld(bias + c, n);
         st(out + o, (yn + ld(bonus + o, n)) * ld(g + o, n), n);
-      }
+      });
     }
   }
 }
@@ -127,16 +167,15 @@ void backward(const F* y, const F* bonus, const F* g, const F* weight, const F* 
     for (int h = 0; h < H; h++) {
       const double mu = mean[row * H + h], rs = rstd[row * H + h];
       const int64_t base = row * C + h * N;
-      VD sq = {}, sqn = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i);
+      double sums[2];
+      head_sums<2>(N, sums, [&](int i, int n, VD* s) {
         const int64_t o = base + i;
         const VD q = ld(dout + o, n) * ld(g + o, n) * ld(weight + h * N + i, n);  // 0 past n
-        sq += q, sqn += q * (ld(y + o, n) - mu) * rs;
-      }
-      const double mq = simd::hsum<double>(sq) / N, mqn = simd::hsum<double>(sqn) / N;
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+        s[0] += q, s[1] += q * (ld(y + o, n) - mu) * rs;
+      });
+      const double mq = sums[0] / N, mqn = sums[1] / N;
+      sweep(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const VD wt = ld(weight + c, n), nv = (ld(y + o, n) - mu) * rs, dot = ld(dout + o, n);
         const VD e = dot * ld(g + o, n);
@@ -146,7 +185,7 @@ void backward(const F* y, const F* bonus, const F* g, const F* weight, const F* 
         double* pw = part + c;
         double* pb = part + C + c;
         st(pw, ld(pw, n) + e * nv, n), st(pb, ld(pb, n) + e, n);
-      }
+      });
     }
   });
 }

@@ -48,34 +48,50 @@ constexpr double kDecayScale = 0.60653065971263342360;  // e^{-1/2}
 constexpr double kNormEps = 1e-12;                         // F.normalize's
 constexpr int kBlock = 64;                                 // rows per fp32 partial sum
 
-// The first n lanes (n > 0); the rest of a partial vector is zero.
+// The first n lanes (n > 0); the rest of a partial vector is zero. The partial vector has a path
+// of its own: one shared with the full load would keep every loaded vector on the stack.
 template <typename F>
 inline V<F> ld(const F* p, int n) {
-  V<F> x = {};
-  if (n >= Vec<F>::L)
+  V<F> x;
+  if (n >= Vec<F>::L) {
     std::memcpy(&x, p, sizeof(x));
-  else
-    for (int l = 0; l < n; l++) x[l] = p[l];
+    return x;
+  }
+  x = V<F>{};
+  for (int l = 0; l < n; l++) x[l] = p[l];
   return x;
 }
 
-// An absent tensor (a cotangent autograd did not give) reads as zeros.
-template <typename F>
+// A cotangent: where autograd gave none (p null), zeros. `dense` (every cotangent given, the
+// model's case) is compiled apart, without the tests.
+template <bool dense, typename F>
 inline V<F> ld0(const F* p, int64_t o, int n) {
+  if constexpr (dense) return ld(p + o, n);
   return p ? ld(p + o, n) : V<F>{};
 }
 
 template <typename F>
 inline void st(F* p, V<F> x, int n) {
-  if (n >= Vec<F>::L)
+  if (n >= Vec<F>::L) {
     std::memcpy(p, &x, sizeof(x));
-  else
-    for (int l = 0; l < n; l++) p[l] = x[l];
+    return;
+  }
+  for (int l = 0; l < n; l++) p[l] = x[l];
 }
 
 template <typename F>
 inline void add(F* p, V<F> x, int n) {
   st(p, ld(p, n) + x, n);
+}
+
+// f(i, n) over a head's N channels, L at a time: the whole vectors with n = L, so that their code
+// (f is inlined at both calls) has no partial-vector paths, then the partial one if any.
+#define RWKVX_INLINE __attribute__((always_inline))
+template <int L, typename Fn>
+RWKVX_INLINE inline void sweep(int N, Fn&& f) {
+  int i = 0;
+  for (; i + L <= N; i += L) f(i, L);
+  if (i < N) f(i, N - i);
 }
 
 // σ(z) with the exponent kept <= 0: 1 / (1 + e^{-z}) for z >= 0, e^z / (1 + e^z) below.
@@ -85,10 +101,12 @@ inline Vt sigmoid(Vt z) {
   return (z < 0 ? e : Vt{} + 1) / (1 + e);
 }
 
-template <typename F>
+// The first layer's code (residual false) is compiled apart: the value residual's branches and
+// registers would otherwise weigh on every step of both.
+template <typename F, bool residual>
 void forward(const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf, const F* vl, const F* w0,
              const F* a0, const F* v0, const F* kk, const F* ka, const F* rk, F* w, F* ko, F* vo, F* a, F* b,
-             F* bonus, int64_t rows, int H, int N, bool residual, int threads) {
+             F* bonus, int64_t rows, int H, int N, int threads) {
   typedef V<F> Vt;
   constexpr int L = Vec<F>::L;
   const int C = H * N;
@@ -99,8 +117,8 @@ void forward(const F* r, const F* k, const F* v, const F* wl, const F* al, const
     for (int h = 0; h < H; h++) {
       const int64_t base = row * C + h * N;
       Vt sxx = {}, srk = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = sigmoid(ld(a0 + c, n) + ld(al + o, n));
         const Vt kt = ld(k + o, n);
@@ -111,19 +129,18 @@ void forward(const F* r, const F* k, const F* v, const F* wl, const F* al, const
         sxx += x * x;
         srk += ld(r + o, n) * kn * ld(rk + c, n);
         st(a + o, x, n), st(b + o, ag, n);  // x and ag, for the second sweep
-        if (residual) {
+        if constexpr (residual) {
           const Vt vt = ld(v + o, n);
           st(vo + o, vt + (ld(vf + o, n) - vt) * sigmoid(ld(v0 + c, n) + ld(vl + o, n)), n);
         }
-      }
+      });
       const F inv = F(1) / std::max(std::sqrt(simd::hsum<F>(sxx)), F(kNormEps)), s = simd::hsum<F>(srk);
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i);
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
         const int64_t o = base + i;
         const Vt kkv = ld(a + o, n) * inv;
         st(a + o, -kkv, n), st(b + o, kkv * ld(b + o, n), n);
         st(bonus + o, s * ld(vp + o, n), n);
-      }
+      });
     }
   }
 }
@@ -154,12 +171,11 @@ void sum_rows(int64_t rows, int P, int C, int threads, F* const* grads, Body bod
   }
 }
 
-template <typename F>
+template <typename F, bool residual, bool dense>
 void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf, const F* vl, const F* w0,
               const F* a0, const F* v0, const F* kk, const F* ka, const F* rk, const F* dw, const F* dko,
               const F* dvo, const F* da, const F* db, const F* dbo, F* dr, F* dk, F* dv, F* dwl, F* dal, F* dvf,
-              F* dvl, F* dw0, F* da0, F* dv0, F* dkk, F* dka, F* drk, int64_t rows, int H, int N, bool residual,
-              int threads) {
+              F* dvl, F* dw0, F* da0, F* dv0, F* dkk, F* dka, F* drk, int64_t rows, int H, int N, int threads) {
   typedef V<F> Vt;
   constexpr int L = Vec<F>::L;
   const int C = H * N;
@@ -170,52 +186,52 @@ void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, cons
     for (int h = 0; h < H; h++) {
       const int64_t base = row * C + h * N;
       Vt sxx = {}, sxd = {}, srk = {}, sdb = {};
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = sigmoid(ld(a0 + c, n) + ld(al + o, n));
         const Vt kt = ld(k + o, n), x = kt * ld(kk + c, n);
         sxx += x * x;
-        sxd += x * (ld0(db, o, n) * ag - ld0(da, o, n));
+        sxd += x * (ld0<dense>(db, o, n) * ag - ld0<dense>(da, o, n));
         srk += ld(r + o, n) * kt * (1 + (ag - 1) * ld(ka + c, n)) * ld(rk + c, n);
         st(dal + o, ag, n);  // ag and sv, for the second sweep
         Vt vp = ld(v + o, n);
-        if (residual) {
+        if constexpr (residual) {
           const Vt sv = sigmoid(ld(v0 + c, n) + ld(vl + o, n));
           vp += (ld(vf + o, n) - vp) * sv;
           st(dvl + o, sv, n);
         }
-        if (dbo) sdb += ld(dbo + o, n) * vp;
-      }
+        if (dense || dbo) sdb += ld(dbo + o, n) * vp;
+      });
       const F nrm = std::sqrt(simd::hsum<F>(sxx)), inv = F(1) / std::max(nrm, F(kNormEps));
       const F q = nrm > F(kNormEps) ? inv * inv * inv * simd::hsum<F>(sxd) : F(0);
       const F s = simd::hsum<F>(srk), ds = simd::hsum<F>(sdb);
-      for (int i = 0; i < N; i += L) {
-        const int n = std::min(L, N - i), c = h * N + i;
+      sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
+        const int c = h * N + i;
         const int64_t o = base + i;
         const Vt ag = ld(dal + o, n), kt = ld(k + o, n), rt = ld(r + o, n);
         const Vt kkc = ld(kk + c, n), kac = ld(ka + c, n), rkc = ld(rk + c, n);
         const Vt sw = sigmoid(ld(w0 + c, n) + ld(wl + o, n));
-        const Vt dzw = -dec * ld0(dw, o, n) * sw * (1 - sw);
+        const Vt dzw = -dec * ld0<dense>(dw, o, n) * sw * (1 - sw);
         st(dwl + o, dzw, n), add(part + W0 * C + c, dzw, n);
-        const Vt x = kt * kkc, dkkv = ld0(db, o, n) * ag - ld0(da, o, n);
+        const Vt x = kt * kkc, dkkv = ld0<dense>(db, o, n) * ag - ld0<dense>(da, o, n);
         const Vt dx = inv * dkkv - q * x;
         add(part + KK * C + c, dx * kt, n);
         const Vt f = 1 + (ag - 1) * kac, kn = kt * f;
-        const Vt dkn = ld0(dko, o, n) + ds * rt * rkc;
+        const Vt dkn = ld0<dense>(dko, o, n) + ds * rt * rkc;
         st(dr + o, ds * kn * rkc, n), add(part + RK * C + c, ds * rt * kn, n);
         st(dk + o, dx * kkc + dkn * f, n), add(part + KA * C + c, dkn * kt * (ag - 1), n);
-        const Vt dag = ld0(db, o, n) * x * inv + dkn * kt * kac, dza = dag * ag * (1 - ag);
+        const Vt dag = ld0<dense>(db, o, n) * x * inv + dkn * kt * kac, dza = dag * ag * (1 - ag);
         st(dal + o, dza, n), add(part + A0 * C + c, dza, n);
-        const Vt dvp = ld0(dvo, o, n) + ld0(dbo, o, n) * s;
-        if (residual) {
+        const Vt dvp = (residual ? ld0<dense>(dvo, o, n) : Vt{}) + ld0<dense>(dbo, o, n) * s;
+        if constexpr (residual) {
           const Vt sv = ld(dvl + o, n), vt = ld(v + o, n), dzv = dvp * (ld(vf + o, n) - vt) * sv * (1 - sv);
           st(dv + o, dvp * (1 - sv), n), st(dvf + o, dvp * sv, n);
           st(dvl + o, dzv, n), add(part + V0 * C + c, dzv, n);
         } else {
           st(dv + o, dvp, n);
         }
-      }
+      });
     }
   });
 }
@@ -225,15 +241,15 @@ void backward(const F* r, const F* k, const F* v, const F* wl, const F* al, cons
 extern "C" {
 
 // present: bit i set when cotangent i of (dw, dk', dv', da, db, dbonus) is given; an absent one is
-// zero (its pointer is never read). residual = 0 (the first layer): v_first, v_lora, v0, v' and
-// their gradients are not read or written.
+// zero (its pointer is never read). residual = 0 (the first layer): v_first, v_lora, v0, v', the
+// cotangent of v' and their gradients are not read or written.
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                    \
   void rwkv7_prep_forward_##SUFFIX(const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf,     \
                                    const F* vl, const F* w0, const F* a0, const F* v0, const F* kk, const F* ka,   \
                                    const F* rk, F* w, F* ko, F* vo, F* a, F* b, F* bonus, int rows, int H, int N,  \
                                    int residual, int threads) {                                                    \
-    forward<F>(r, k, v, wl, al, vf, vl, w0, a0, v0, kk, ka, rk, w, ko, vo, a, b, bonus, rows, H, N, residual != 0, \
-               threads);                                                                                           \
+    (residual ? forward<F, true> : forward<F, false>)(r, k, v, wl, al, vf, vl, w0, a0, v0, kk, ka, rk, w, ko, vo, a, \
+                                                      b, bonus, rows, H, N, threads);                              \
   }                                                                                                                \
   void rwkv7_prep_backward_##SUFFIX(                                                                               \
       const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf, const F* vl, const F* w0,         \
@@ -243,8 +259,11 @@ extern "C" {
     const F* d[6] = {dw, dko, dvo, da, db, dbo};                                                                   \
     for (int i = 0; i < 6; i++)                                                                                    \
       if (!(present >> i & 1)) d[i] = nullptr;                                                                     \
-    backward<F>(r, k, v, wl, al, vf, vl, w0, a0, v0, kk, ka, rk, d[0], d[1], d[2], d[3], d[4], d[5], dr, dk, dv,   \
-                dwl, dal, dvf, dvl, dw0, da0, dv0, dkk, dka, drk, rows, H, N, residual != 0, threads);             \
+    const bool dense = (present | (residual ? 0 : 4)) == 63;                                                       \
+    auto fn = residual ? (dense ? backward<F, true, true> : backward<F, true, false>)                              \
+                       : (dense ? backward<F, false, true> : backward<F, false, false>);                           \
+    fn(r, k, v, wl, al, vf, vl, w0, a0, v0, kk, ka, rk, d[0], d[1], d[2], d[3], d[4], d[5], dr, dk, dv, dwl, dal,   \
+       dvf, dvl, dw0, da0, dv0, dkk, dka, drk, rows, H, N, threads);                                                \
   }
 
 #ifdef RWKVX_FP32
