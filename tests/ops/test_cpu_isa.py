@@ -53,8 +53,9 @@ def build(monkeypatch, cache, request):
 
 
 def test_the_ops_with_a_cpu_kernel():
-    assert set(CPU_OPS) >= {"wkv7", "wkv4", "rwkv8", "gdn", "kda", "rwkv7_prep", "rwkv7_out"}
-    kernels = ("wkv7", "wkv4", "rwkv8", "delta", "rwkv7_prep", "rwkv7_out")
+    ops = {"wkv7", "wkv4", "rwkv8", "gdn", "kda", "rwkv7_prep", "rwkv7_out", "shift_mix", "channel_mix"}
+    assert set(CPU_OPS) >= ops
+    kernels = ("wkv7", "wkv4", "rwkv8", "delta", "rwkv7_prep", "rwkv7_out", "shift_mix", "channel_mix")
     assert {s.stem for s in SOURCES} >= {f"{k}_cpu" for k in kernels}
 
 
