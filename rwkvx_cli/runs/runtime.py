@@ -16,6 +16,8 @@ measured matmul rate (the denominator of MFU and of `rwkvx bench`'s % of peak).
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import functools
 import os
 import sys
 import tempfile
@@ -40,8 +42,34 @@ class Runtime:
         return autocast(self.precision, self.device)
 
     def apply(self) -> None:
-        """Make the process-wide torch settings this mode needs (the fp32 matmul precision)."""
+        """Make the process-wide settings this mode needs: the fp32 matmul precision, and on the CPU
+        an allocator that keeps the memory it frees (`keep_freed_memory`)."""
         set_matmul_precision(self.precision)
+        if self.device.type == "cpu":
+            keep_freed_memory()
+
+
+# glibc's mallopt parameters (malloc.h).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD = -1, -3
+_MMAP_THRESHOLD_MAX = 32 * 2**20  # glibc's ceiling for M_MMAP_THRESHOLD on 64-bit
+
+
+@functools.cache
+def keep_freed_memory() -> bool:
+    """Make glibc's malloc keep freed memory for the next allocation instead of handing it back to
+    the kernel. A training step on the CPU allocates and frees the same tensors of 0.1-30 MB again and
+    again; by default glibc maps each one fresh (above its mmap threshold) or trims the heap after
+    it, so every step touches its activations' pages anew: 5,800 page faults and 15-20% of an eager
+    tiny RWKV-7 step on the 2-core development VM (docs/benchmarks.md). Blocks up to 32 MB now come
+    from the heap, which is never trimmed: the process keeps its peak footprint, as a caching
+    allocator does. Returns whether the settings took (glibc only; elsewhere nothing changes)."""
+    try:
+        libc = ctypes.CDLL(None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
 
 
 def resolve_device(

@@ -19,7 +19,7 @@ from rwkvx_cli.native import NativeBuildError, cpu_isa
 from rwkvx_cli.ops import get_op, op_names
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
 from rwkvx_cli.runs.memory import check_op_shape
-from rwkvx_cli.runs.runtime import matmul_peak_gflops, timed
+from rwkvx_cli.runs.runtime import keep_freed_memory, matmul_peak_gflops, timed
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 
@@ -153,6 +153,8 @@ def run_bench(
     on_row: Callable[[str], None] | None = None,
 ) -> BenchReport:
     mm_dtype = torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype]
+    if device.type == "cpu":
+        keep_freed_memory()  # as training does (runs/runtime.py): no page faults per call for any backend
     peak = matmul_peak_gflops(device, mm_dtype)
     report = BenchReport(str(device), torch.get_num_threads(), peak)
     rate_before = peak  # the matmul rate measured last: before the next row

@@ -42,6 +42,7 @@ and the GPT.
 
 from __future__ import annotations
 
+import re
 import statistics
 import time
 from dataclasses import replace
@@ -63,8 +64,9 @@ from rwkvx_cli.tools.op_count import ops_per_block
 COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
-# Names of the ops' autograd functions (and their backward nodes) and op modules.
-RECURRENCE_MARKERS = ("WKV7", "WKV4", "RWKV8", "Delta", "Moba", "wkv7", "wkv4", "rwkv8", "delta", "moba")
+# Names of the recurrence ops' autograd functions (_WKV7CPU, its backward node), torch ops
+# (rwkvx::wkv7_cpu_fwd) and op modules, not preceded by a letter: rwkv7_prep is not wkv7.
+RECURRENCE_MARKER = re.compile(r"(?<![A-Za-z])(WKV7|WKV4|RWKV8|Delta|Moba|wkv7|wkv4|rwkv8|delta|moba)")
 
 
 def _inside_fused(event) -> bool:
@@ -78,7 +80,7 @@ def _inside_fused(event) -> bool:
 
 def _inside_recurrence(event) -> bool:
     while event is not None:
-        if any(m in event.name for m in RECURRENCE_MARKERS):
+        if RECURRENCE_MARKER.search(event.name):
             return True
         event = event.cpu_parent
     return False
