@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.shift_mix import INPUTS, STATES, shift_mix
+from rwkvx_cli.ops.shift_mix import INPUTS, STATES, fused_triton, shift_mix
 from rwkvx_cli.ops.shift_mix.reference import shift_mix_reference
 
 MIXES = 6  # RWKV-7's time mix: r, w, k, v, a, g
@@ -66,7 +66,15 @@ SPEC = register(
             _case("one_token", 3, 1, 2, 16),
         ),
         fd_case=_case("finite_diff", 1, 5, 1, 8, M=3),
-        backends=block_backends("shift_mix", shift_mix_reference),
+        backends=block_backends(
+            "shift_mix",
+            shift_mix_reference,
+            triton=(
+                fused_triton.shift_mix_triton,
+                "fused Triton kernels: LayerNorm statistics and the lerps in one pass per tile, C in blocks",
+                fused_triton.unavailable,
+            ),
+        ),
         flops=_flops,
         bench_shapes=(
             {"B": 16, "T": 128, "H": 2, "N": 64, "M": MIXES},
