@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.rwkv7_prep import INPUTS, OUTPUTS, rwkv7_prep
+from rwkvx_cli.ops.rwkv7_prep import INPUTS, OUTPUTS, fused_triton, rwkv7_prep
 from rwkvx_cli.ops.rwkv7_prep.reference import rwkv7_prep_reference
 
 FIRST_LAYER = ("v_first", "v_lora", "v0")  # what the first layer, without a value residual, leaves out
@@ -65,7 +65,15 @@ SPEC = register(
             _case("one_token", 3, 1, 2, 16),
         ),
         fd_case=_case("finite_diff", 1, 3, 2, 4),
-        backends=block_backends("rwkv7_prep", rwkv7_prep_reference),
+        backends=block_backends(
+            "rwkv7_prep",
+            rwkv7_prep_reference,
+            triton=(
+                fused_triton.rwkv7_prep_triton,
+                "one fused Triton kernel each way: [tokens, head] tiles, the elementwise work recomputed",
+                fused_triton.unavailable,
+            ),
+        ),
         flops=_flops,
         bench_shapes=({"B": 16, "T": 128, "H": 2, "N": 64}, {"B": 2, "T": 1024, "H": 12, "N": 64}),
         compile_dims=({"H": 12, "N": 64}, {"H": 64, "N": 64}, {"H": 6, "N": 128}, {"H": 32, "N": 128}),

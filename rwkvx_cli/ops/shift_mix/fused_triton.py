@@ -381,7 +381,7 @@ class _ShiftMixTriton(torch.autograd.Function):
         else:
             dmix = dmix_k
         wdt, bdt, mdt, sdt = ctx.dtypes
-        return dx, dw.to(wdt), db.to(bdt), dmix.to(mdt), dstate.to(sdt), None
+        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dmix.to(mdt), dstate.to(sdt), None
 
 
 def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5):
