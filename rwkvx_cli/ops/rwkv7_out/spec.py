@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, rwkv7_out
+from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, fused_triton, rwkv7_out
 from rwkvx_cli.ops.rwkv7_out.reference import rwkv7_out_reference
 
 
@@ -60,7 +60,15 @@ SPEC = register(
             _case("one_token", 3, 1, 2, 16),
         ),
         fd_case=_case("finite_diff", 1, 3, 2, 4),
-        backends=block_backends("rwkv7_out", rwkv7_out_reference),
+        backends=block_backends(
+            "rwkv7_out",
+            rwkv7_out_reference,
+            triton=(
+                fused_triton.rwkv7_out_triton,
+                "one fused Triton kernel each way: [tokens, head] tiles, the norm recomputed",
+                fused_triton.unavailable,
+            ),
+        ),
         kwargs=lambda case: {"eps": float(case.options.get("eps", LN_X_EPS))},
         flops=_flops,
         bench_shapes=({"B": 16, "T": 128, "H": 2, "N": 64}, {"B": 2, "T": 1024, "H": 12, "N": 64}),
