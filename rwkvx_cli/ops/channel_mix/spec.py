@@ -8,7 +8,7 @@ import math
 import torch
 
 from rwkvx_cli.ops._backends import block_backends
-from rwkvx_cli.ops.channel_mix import INPUTS, STATES, channel_mix
+from rwkvx_cli.ops.channel_mix import INPUTS, STATES, channel_mix, fused_triton
 from rwkvx_cli.ops.channel_mix.reference import channel_mix_reference
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
 
@@ -74,7 +74,15 @@ SPEC = register(
             _case("one_token", 3, 1, 2, 8),
         ),
         fd_case=_case("finite_diff", 1, 4, 1, 4),
-        backends=block_backends("channel_mix", channel_mix_reference),
+        backends=block_backends(
+            "channel_mix",
+            channel_mix_reference,
+            triton=(
+                fused_triton.channel_mix_triton,
+                "torch's matmuls around shift_mix's Triton kernels (M = 1) and a relu² Triton pair",
+                fused_triton.unavailable,
+            ),
+        ),
         # The weights' gradients are sums over B·T tokens of terms of both signs, so some cancel to
         # near 0, where fp32's rounding of the sum (~1e-7 of its terms' magnitude) would dominate
         # the relative error. Small cotangents put that rounding below the metric's 1e-6 floor.
