@@ -45,6 +45,8 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
 )
 
 SLOTS = 8  # pointer arguments for the outputs (shift_mix.MAX_MIXES)
+# Warps per program; the column-block backward takes twice as many past 6 lerps (half the
+# elements per thread): at M = 8 with 4 warps it spills 8 bytes on sm_80 (bf16).
 WARPS = 4
 
 if triton is not None:
@@ -350,7 +352,7 @@ def shift_mix_triton_bwd(
     )  # fmt: skip
     wrap_triton(_bwd_kernel)[(P, NCB)](
         *slots, ds, add, x, weight, bias, mix, state, mean, rstd, sums, dx, dstate, dw_p, db_p, dmix_p,
-        R, T, C, RP, M, ds_out is not None, dx_add is not None, BT2, BC, DT, num_warps=WARPS,
+        R, T, C, RP, M, ds_out is not None, dx_add is not None, BT2, BC, DT, num_warps=WARPS if M <= 6 else 2 * WARPS,
     )  # fmt: skip
     return dx, dw_p.sum(0), db_p.sum(0), dmix_p.sum(0), dstate
 
