@@ -276,7 +276,7 @@ def _tiles(C: int) -> tuple[int, int, int]:
     """The column block and the rows per tile: (BC, rows of the forward's and the row sums' tiles
     (512 elements), rows of the column-block kernel's (256: it keeps M + 2 accumulator tiles)).
     Twice as large, the forward and the row sums take ~130 registers and the column-block kernel
-    spills (sm_80, bf16); these take 32..64 (the compile gate)."""
+    spills (sm_80, bf16); these take 32..100 (the compile gate, M <= 8)."""
     BC = min(triton.next_power_of_2(C), 256)
     return BC, min(16, 512 // BC), min(16, 256 // BC)
 
