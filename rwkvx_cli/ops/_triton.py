@@ -28,6 +28,7 @@ __all__ = [
     "compute_dtype",
     "compute_empty",
     "prepare",
+    "row_chunks",
     "state_blocks",
     "tl",
     "triton",
@@ -91,6 +92,20 @@ def state_blocks(N: int) -> tuple[int, int, int]:
     full = triton.next_power_of_2(N)
     part = min(full, 32)
     return full, part, triton.cdiv(N, part)
+
+
+# About how many programs a kernel that sums over rows (a parameter's gradient over B·T tokens)
+# is launched with: enough to fill a GPU several times over, few enough that the per-program
+# partials (rows of C values, summed by torch) stay small beside the tensors themselves.
+PARTIAL_PROGRAMS = 1024
+
+
+def row_chunks(rows: int, tile: int, width: int) -> tuple[int, int]:
+    """How such a kernel splits `rows` when `width` programs (column blocks, heads) share each run
+    of them: (programs along the rows, rows per program, a multiple of `tile`)."""
+    tiles = triton.cdiv(rows, tile)
+    per = triton.cdiv(tiles, max(1, min(tiles, PARTIAL_PROGRAMS // width))) * tile
+    return triton.cdiv(rows, per), per
 
 
 def prepare(inputs: Iterable[torch.Tensor], states: Iterable[torch.Tensor], dtype: torch.dtype):

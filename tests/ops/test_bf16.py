@@ -23,6 +23,10 @@ TRITON_BACKENDS = [
     ("rwkv8", "triton"),
     ("gdn", "triton"),
     ("kda", "triton"),
+    ("shift_mix", "triton"),
+    ("rwkv7_prep", "triton"),
+    ("rwkv7_out", "triton"),
+    ("channel_mix", "triton"),
 ]
 # fp32 over a long sequence: the elementwise max_rel of gate A grows with T (1.7e-3 at T = 4096
 # near decay 1, from a few tiny reference entries), the RMS ratio stays ~1e-7.

@@ -21,9 +21,13 @@ triton = pytest.importorskip("triton")
 
 from rwkvx_cli.ops import _triton as tr  # noqa: E402
 from rwkvx_cli.ops import get_op  # noqa: E402
+from rwkvx_cli.ops.channel_mix import fused_triton as channel_mix_ft  # noqa: E402
 from rwkvx_cli.ops.delta import fused_triton as delta_ft  # noqa: E402
+from rwkvx_cli.ops.rwkv7_out import fused_triton as rwkv7_out_ft  # noqa: E402
+from rwkvx_cli.ops.rwkv7_prep import fused_triton as rwkv7_prep_ft  # noqa: E402
 from rwkvx_cli.ops.rwkv8 import fused_triton as rwkv8_ft  # noqa: E402
 from rwkvx_cli.ops.rwkv8.reference import EPS  # noqa: E402
+from rwkvx_cli.ops.shift_mix import fused_triton as shift_mix_ft  # noqa: E402
 from rwkvx_cli.ops.wkv4 import fused_triton as wkv4_ft  # noqa: E402
 from rwkvx_cli.ops.wkv7 import chunked_triton as wkv7_ct  # noqa: E402
 from rwkvx_cli.ops.wkv7 import fused_triton as wkv7_ft  # noqa: E402
@@ -44,11 +48,20 @@ OPS = {
     "rwkv8_triton_bwd": (rwkv8_ft, {"_bwd_kernel"}),
     "delta_triton_fwd": (delta_ft, {"_fwd_kernel"}),
     "delta_triton_bwd": (delta_ft, {"_bwd_kernel"}),
+    "shift_mix_triton_fwd": (shift_mix_ft, {"_fwd_kernel"}),
+    "shift_mix_triton_bwd": (shift_mix_ft, {"_bwd_rows_kernel", "_bwd_kernel"}),
+    "rwkv7_prep_triton_fwd": (rwkv7_prep_ft, {"_fwd_kernel"}),
+    "rwkv7_prep_triton_bwd": (rwkv7_prep_ft, {"_bwd_kernel"}),
+    "rwkv7_out_triton_fwd": (rwkv7_out_ft, {"_fwd_kernel"}),
+    "rwkv7_out_triton_bwd": (rwkv7_out_ft, {"_bwd_kernel"}),
+    "relu2_triton_fwd": (channel_mix_ft, {"_relu2_fwd_kernel"}),
+    "relu2_triton_bwd": (channel_mix_ft, {"_relu2_bwd_kernel"}),
 }
 
 # (op, backend) of every Triton backend in the registry.
 BACKENDS = [("wkv7", "triton"), ("wkv7", "triton_chunked"), ("wkv4", "triton"), ("rwkv8", "triton")]
 BACKENDS += [("gdn", "triton"), ("kda", "triton")]
+BACKENDS += [("shift_mix", "triton"), ("rwkv7_prep", "triton"), ("rwkv7_out", "triton"), ("channel_mix", "triton")]
 
 
 @pytest.fixture(autouse=True)
@@ -127,7 +140,11 @@ def test_every_kernel_launch_is_inside_an_op(op, backend):
 _OUTSIDE_THE_INTERPRETER = """
 import json, torch
 from rwkvx_cli.ops import _triton
+from rwkvx_cli.ops.channel_mix import fused_triton
 from rwkvx_cli.ops.delta import fused_triton
+from rwkvx_cli.ops.rwkv7_out import fused_triton
+from rwkvx_cli.ops.rwkv7_prep import fused_triton
+from rwkvx_cli.ops.shift_mix import fused_triton
 from rwkvx_cli.ops.rwkv8 import fused_triton
 from rwkvx_cli.ops.wkv4 import fused_triton
 from rwkvx_cli.ops.wkv7 import chunked_triton, fused_triton
@@ -310,6 +327,26 @@ def _op_calls():
     y, s_out, snaps = torch.ops.rwkvx.delta_triton_fwd(*d, 0.5)
     calls["delta_triton_fwd"] = (*d, 0.5)
     calls["delta_triton_bwd"] = (*d[:5], snaps, *like(y, s_out), 0.5)
+    C = H * N  # the fused block ops: rows of C = H·N channels
+    sm = (_rand(B, T, C, gen=gen), _rand(C, gen=gen, lo=0.5, hi=1.5), _rand(C, gen=gen), _rand(3, C, gen=gen, lo=0.0))
+    sm += (_rand(B, C, gen=gen),)
+    ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*sm, 1e-5)
+    calls["shift_mix_triton_fwd"] = (*sm, 1e-5)
+    calls["shift_mix_triton_bwd"] = (list(like(*ys)), *like(s_out), *sm, mean, rstd, *like(sm[0]))
+    seq = tuple(_rand(B, T, H, N, gen=gen) for _ in range(7))
+    par = tuple(_rand(C, gen=gen) for _ in range(6))
+    outs = torch.ops.rwkvx.rwkv7_prep_triton_fwd(*seq, *par)
+    calls["rwkv7_prep_triton_fwd"] = (*seq, *par)
+    w, kp, a, b, bonus, vp = like(*outs)
+    calls["rwkv7_prep_triton_bwd"] = (*seq, *par, w, kp, vp, a, b, bonus)
+    ro = (*(_rand(B, T, H, N, gen=gen) for _ in range(3)), _rand(C, gen=gen, lo=0.5, hi=1.5), _rand(C, gen=gen))
+    out = torch.ops.rwkvx.rwkv7_out_triton_fwd(*ro, 64e-5)
+    calls["rwkv7_out_triton_fwd"] = (*ro, 64e-5)
+    calls["rwkv7_out_triton_bwd"] = (*ro, *like(out), 64e-5)
+    h = _rand(B * T, 4 * C, gen=gen)
+    a = torch.ops.rwkvx.relu2_triton_fwd(h)
+    calls["relu2_triton_fwd"] = (h,)
+    calls["relu2_triton_bwd"] = (*like(a), a)
     return calls
 
 

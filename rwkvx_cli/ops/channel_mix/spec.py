@@ -8,7 +8,7 @@ import math
 import torch
 
 from rwkvx_cli.ops._backends import block_backends
-from rwkvx_cli.ops.channel_mix import INPUTS, STATES, channel_mix, cpu
+from rwkvx_cli.ops.channel_mix import INPUTS, STATES, channel_mix, cpu, fused_triton
 from rwkvx_cli.ops.channel_mix.reference import channel_mix_reference
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
 
@@ -83,6 +83,11 @@ SPEC = register(
                 "torch's matmuls around fused C++ kernels (shift_mix's with one lerp, relu²), one pass each, "
                 "hand-written backward",
                 cpu.unavailable,
+            ),
+            triton=(
+                fused_triton.channel_mix_triton,
+                "torch's matmuls around shift_mix's Triton kernels (M = 1) and a relu² Triton pair",
+                fused_triton.unavailable,
             ),
         ),
         # The weights' gradients are sums over B·T tokens of terms of both signs, so some cancel to

@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, cpu, rwkv7_out
+from rwkvx_cli.ops.rwkv7_out import INPUTS, LN_X_EPS, cpu, fused_triton, rwkv7_out
 from rwkvx_cli.ops.rwkv7_out.reference import rwkv7_out_reference
 
 
@@ -69,6 +69,11 @@ SPEC = register(
                 "fused C++ kernel (OpenMP over rows, SIMD over a head), one pass per tensor; hand-written "
                 "backward from the inputs and the saved mean and rstd",
                 cpu.unavailable,
+            ),
+            triton=(
+                fused_triton.rwkv7_out_triton,
+                "one fused Triton kernel each way: [tokens, head] tiles, the norm recomputed",
+                fused_triton.unavailable,
             ),
         ),
         kwargs=lambda case: {"eps": float(case.options.get("eps", LN_X_EPS))},

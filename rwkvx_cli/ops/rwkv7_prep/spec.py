@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.rwkv7_prep import INPUTS, OUTPUTS, cpu, rwkv7_prep
+from rwkvx_cli.ops.rwkv7_prep import INPUTS, OUTPUTS, cpu, fused_triton, rwkv7_prep
 from rwkvx_cli.ops.rwkv7_prep.reference import rwkv7_prep_reference
 
 FIRST_LAYER = ("v_first", "v_lora", "v0")  # what the first layer, without a value residual, leaves out
@@ -74,6 +74,11 @@ SPEC = register(
                 "fused C++ kernel (OpenMP over rows, SIMD over a head), one pass per tensor; hand-written "
                 "backward from the inputs alone",
                 cpu.unavailable,
+            ),
+            triton=(
+                fused_triton.rwkv7_prep_triton,
+                "one fused Triton kernel each way: [tokens, head] tiles, the elementwise work recomputed",
+                fused_triton.unavailable,
             ),
         ),
         flops=_flops,

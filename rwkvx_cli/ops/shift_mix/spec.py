@@ -7,7 +7,7 @@ import torch
 
 from rwkvx_cli.ops._backends import block_backends
 from rwkvx_cli.ops.registry import Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.shift_mix import INPUTS, STATES, cpu, shift_mix
+from rwkvx_cli.ops.shift_mix import INPUTS, STATES, cpu, fused_triton, shift_mix
 from rwkvx_cli.ops.shift_mix.reference import shift_mix_reference
 
 MIXES = 6  # RWKV-7's time mix: r, w, k, v, a, g
@@ -75,6 +75,11 @@ SPEC = register(
                 "fused C++ kernel (OpenMP over row ranges, SIMD over C, one pass per tensor), LayerNorm "
                 "statistics kept, hand-written backward",
                 cpu.unavailable,
+            ),
+            triton=(
+                fused_triton.shift_mix_triton,
+                "fused Triton kernels: LayerNorm statistics and the lerps in one pass per tile, C in blocks",
+                fused_triton.unavailable,
             ),
         ),
         flops=_flops,

@@ -1,0 +1,393 @@
+"""shift_mix `triton` backend: LayerNorm, token shift and M lerps, forward and backward.
+
+The rows are the B·T tokens of x [B, T, C]. Every kernel walks C in blocks of BC columns, so its
+registers do not grow with the model width. The shift reads x̂ of the row before (the backward,
+dy of the row after): the kernels load that row too (the tile shifted by one row: cache hits)
+and recompute its LayerNorm, and take the state at t = 0.
+
+Forward, one kernel: per tile of BT rows, a pass over C for the statistics of the tile's rows and
+of the rows before (per-block mean and M2, merged by Chan's formula), then a pass writing the M
+outputs (the second pass finds the tile's rows in cache); it saves the statistics [B, T].
+
+Backward, two kernels. `_bwd_rows_kernel` sums per row what LayerNorm's backward needs, Σ_c g and
+Σ_c g n; then `_bwd_kernel`, one program per block of BC columns and run of rows, writes dx and
+the state's gradient and keeps the sums over rows of dweight, dbias and dmix in registers
+(per-program partials, summed by torch). With n = (x - mean) rstd, x̂ = n weight + bias,
+y_m[t] = x̂[t] (1 - mix_m) + x̂[t-1] mix_m and g = dx̂ weight:
+
+    dx̂[t]  = Σ_m dy_m[t] (1 - mix_m) + dy_m[t+1] mix_m          (+ dstate_out at t = T-1)
+    dmix_m = Σ dy_m[t] (x̂[t-1] - x̂[t])     dstate = Σ_m dy_m[0] mix_m
+    dx     = rstd (g - Σ_c g / C - n Σ_c g n / C)                  (+ dx_add)
+
+dx_add is channel_mix's residual gradient (ops/channel_mix/fused.py). The M outputs are separate
+tensors, passed to the kernels as eight pointer arguments (M constexpr; unused slots repeat one),
+and a backward given None for some outputs' gradients runs on the others only.
+
+The launches are torch ops, `torch.ops.rwkvx.shift_mix_triton_fwd` and `_bwd`
+(docs/operators.md#the-triton-kernels-as-torch-ops).
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
+    check_offsets,
+    compute_dtype,
+    compute_empty,
+    row_chunks,
+    tl,
+    triton,
+    triton_op,
+    unavailable,
+    wrap_triton,
+)
+
+SLOTS = 8  # pointer arguments for the outputs (shift_mix.MAX_MIXES)
+# Warps per program; the column-block backward takes twice as many past 6 lerps (half the
+# elements per thread): at M = 8 with 4 warps it spills 8 bytes on sm_80 (bf16).
+WARPS = 4
+
+if triton is not None:
+
+    @triton.jit
+    def _pick(m: tl.constexpr, p0, p1, p2, p3, p4, p5, p6, p7):
+        """The m-th of eight pointer arguments, chosen at compile time."""
+        p = p0
+        if m == 1:
+            p = p1
+        if m == 2:
+            p = p2
+        if m == 3:
+            p = p3
+        if m == 4:
+            p = p4
+        if m == 5:
+            p = p5
+        if m == 6:
+            p = p6
+        if m == 7:
+            p = p7
+        return p
+
+    @triton.jit
+    def _stats(x, rows, ok, C, eps, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
+        """Mean and 1/std over C of rows of x [R, C] (masked by ok), one pass: each block's mean and
+        M2, merged by Chan's pairwise update (no E[x²] - E[x]² cancellation)."""
+        base = rows.to(tl.int64) * C
+        mean = tl.zeros([BT], dtype=DT)
+        m2 = tl.zeros([BT], dtype=DT)
+        na = tl.zeros([1], dtype=DT)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            mc = cols < C
+            m = ok[:, None] & mc[None, :]
+            xt = tl.load(x + base[:, None] + cols[None, :], mask=m, other=0.0).to(DT)
+            nb = tl.sum(mc.to(DT), axis=0)
+            bmean = tl.sum(xt, axis=1) / nb
+            d = tl.where(m, xt - bmean[:, None], 0.0)
+            tot = na + nb
+            delta = bmean - mean
+            mean = mean + delta * (nb / tot)
+            m2 = m2 + tl.sum(d * d, axis=1) + delta * delta * (na * nb / tot)
+            na = tot
+        return mean, 1.0 / tl.sqrt(m2 / C + eps)
+
+    @triton.jit
+    def _fwd_kernel(
+        x, weight, bias, mix, state,
+        y0, y1, y2, y3, y4, y5, y6, y7, s_out, mean_out, rstd_out,
+        R, T, C, eps,
+        M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        ok = rows < R
+        t = rows % T
+        has_prev = ok & (t > 0)
+        first = ok & (t == 0)
+        last = ok & (t == T - 1)
+        mean, rstd = _stats(x, rows, ok, C, eps, BT, BC, DT)
+        pmean, prstd = _stats(x, rows - 1, has_prev, C, eps, BT, BC, DT)
+        tl.store(mean_out + rows, mean, mask=ok)
+        tl.store(rstd_out + rows, rstd, mask=ok)
+        base = rows.to(tl.int64) * C
+        sbase = (rows // T).to(tl.int64) * C
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            mc = cols < C
+            m = ok[:, None] & mc[None, :]
+            w = tl.load(weight + cols, mask=mc, other=0.0).to(DT)[None, :]
+            b = tl.load(bias + cols, mask=mc, other=0.0).to(DT)[None, :]
+            off = base[:, None] + cols[None, :]
+            soff = sbase[:, None] + cols[None, :]
+            xn = (tl.load(x + off, mask=m, other=0.0).to(DT) - mean[:, None]) * rstd[:, None] * w + b
+            xp = tl.load(x + off - C, mask=has_prev[:, None] & mc[None, :], other=0.0).to(DT)
+            xp = (xp - pmean[:, None]) * prstd[:, None] * w + b
+            s0 = tl.load(state + soff, mask=first[:, None] & mc[None, :], other=0.0).to(DT)
+            dd = tl.where(first[:, None], s0, xp) - xn
+            for i in tl.static_range(M):
+                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                y = _pick(i, y0, y1, y2, y3, y4, y5, y6, y7)
+                tl.store(y + off, (xn + dd * mx).to(y.dtype.element_ty), mask=m)
+            tl.store(s_out + soff, xn, mask=last[:, None] & mc[None, :])
+
+    @triton.jit
+    def _bwd_rows_kernel(
+        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, x, weight, mix, mean, rstd,
+        sums,
+        R, T, C,
+        M: tl.constexpr, HAS_DS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+    ):  # fmt: skip
+        rows = tl.program_id(0) * BT + tl.arange(0, BT)
+        ok = rows < R
+        t = rows % T
+        nxt = ok & (t < T - 1)
+        last = ok & (t == T - 1)
+        mu = tl.load(mean + rows, mask=ok, other=0.0)
+        rs = tl.load(rstd + rows, mask=ok, other=0.0)
+        base = rows.to(tl.int64) * C
+        sbase = (rows // T).to(tl.int64) * C
+        sg = tl.zeros([BT, BC], dtype=DT)
+        sgn = tl.zeros([BT, BC], dtype=DT)
+        for c0 in range(0, C, BC):
+            cols = c0 + tl.arange(0, BC)
+            mc = cols < C
+            m = ok[:, None] & mc[None, :]
+            off = base[:, None] + cols[None, :]
+            n = (tl.load(x + off, mask=m, other=0.0).to(DT) - mu[:, None]) * rs[:, None]
+            dxn = tl.zeros([BT, BC], dtype=DT)
+            for i in tl.static_range(M):
+                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                dy = _pick(i, dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7)
+                g0 = tl.load(dy + off, mask=m, other=0.0).to(DT)
+                g1 = tl.load(dy + off + C, mask=nxt[:, None] & mc[None, :], other=0.0).to(DT)
+                dxn += g0 + (g1 - g0) * mx
+            if HAS_DS:
+                dxn += tl.load(ds + sbase[:, None] + cols[None, :], mask=last[:, None] & mc[None, :], other=0.0).to(DT)
+            g = dxn * tl.load(weight + cols, mask=mc, other=0.0).to(DT)[None, :]
+            sg += g
+            sgn += g * n
+        tl.store(sums + rows, tl.sum(sg, axis=1), mask=ok)
+        tl.store(sums + R + rows, tl.sum(sgn, axis=1), mask=ok)
+
+    @triton.jit
+    def _bwd_kernel(
+        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, dx_add, x, weight, bias, mix, state, mean, rstd, sums,
+        dx, dstate, dw_p, db_p, dmix_p,
+        R, T, C, RP,
+        M: tl.constexpr, HAS_DS: tl.constexpr, HAS_ADD: tl.constexpr,
+        BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+    ):  # fmt: skip
+        p = tl.program_id(0)
+        cols = tl.program_id(1) * BC + tl.arange(0, BC)
+        mc = cols < C
+        w = tl.load(weight + cols, mask=mc, other=0.0).to(DT)[None, :]
+        b = tl.load(bias + cols, mask=mc, other=0.0).to(DT)[None, :]
+        acc_w = tl.zeros([BT, BC], dtype=DT)
+        acc_b = tl.zeros([BT, BC], dtype=DT)
+        a0 = tl.zeros([BT, BC], dtype=DT)  # dmix_m's partial sums (those past M are never used)
+        a1 = tl.zeros([BT, BC], dtype=DT)
+        a2 = tl.zeros([BT, BC], dtype=DT)
+        a3 = tl.zeros([BT, BC], dtype=DT)
+        a4 = tl.zeros([BT, BC], dtype=DT)
+        a5 = tl.zeros([BT, BC], dtype=DT)
+        a6 = tl.zeros([BT, BC], dtype=DT)
+        a7 = tl.zeros([BT, BC], dtype=DT)
+        for r0 in range(p * RP, p * RP + RP, BT):
+            rows = r0 + tl.arange(0, BT)
+            ok = rows < R
+            t = rows % T
+            has_prev = ok & (t > 0)
+            first = ok & (t == 0)
+            m = ok[:, None] & mc[None, :]
+            mu = tl.load(mean + rows, mask=ok, other=0.0)[:, None]
+            rs = tl.load(rstd + rows, mask=ok, other=0.0)[:, None]
+            pmu = tl.load(mean + rows - 1, mask=has_prev, other=0.0)[:, None]
+            prs = tl.load(rstd + rows - 1, mask=has_prev, other=0.0)[:, None]
+            sg = tl.load(sums + rows, mask=ok, other=0.0)[:, None] / C
+            sgn = tl.load(sums + R + rows, mask=ok, other=0.0)[:, None] / C
+            off = rows.to(tl.int64)[:, None] * C + cols[None, :]
+            soff = (rows // T).to(tl.int64)[:, None] * C + cols[None, :]
+            n = (tl.load(x + off, mask=m, other=0.0).to(DT) - mu) * rs
+            xn = n * w + b
+            xp = (tl.load(x + off - C, mask=has_prev[:, None] & mc[None, :], other=0.0).to(DT) - pmu) * prs * w + b
+            s0 = tl.load(state + soff, mask=first[:, None] & mc[None, :], other=0.0).to(DT)
+            diff = tl.where(first[:, None], s0, xp) - xn
+            dxn = tl.zeros([BT, BC], dtype=DT)
+            dst = tl.zeros([BT, BC], dtype=DT)
+            for i in tl.static_range(M):
+                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                dy = _pick(i, dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7)
+                g0 = tl.load(dy + off, mask=m, other=0.0).to(DT)
+                g1 = tl.load(dy + off + C, mask=(ok & (t < T - 1))[:, None] & mc[None, :], other=0.0).to(DT)
+                dxn += g0 + (g1 - g0) * mx
+                dst += g0 * mx
+                c = g0 * diff
+                if i == 0:
+                    a0 += c
+                if i == 1:
+                    a1 += c
+                if i == 2:
+                    a2 += c
+                if i == 3:
+                    a3 += c
+                if i == 4:
+                    a4 += c
+                if i == 5:
+                    a5 += c
+                if i == 6:
+                    a6 += c
+                if i == 7:
+                    a7 += c
+            if HAS_DS:
+                dxn += tl.load(ds + soff, mask=(ok & (t == T - 1))[:, None] & mc[None, :], other=0.0).to(DT)
+            acc_w += dxn * n
+            acc_b += dxn
+            g = dxn * w
+            d = rs * (g - sg - n * sgn)
+            if HAS_ADD:
+                d += tl.load(dx_add + off, mask=m, other=0.0).to(DT)
+            tl.store(dx + off, d.to(dx.dtype.element_ty), mask=m)
+            tl.store(dstate + soff, dst, mask=first[:, None] & mc[None, :])
+        pc = p.to(tl.int64) * C + cols
+        tl.store(dw_p + pc, tl.sum(acc_w, axis=0), mask=mc)
+        tl.store(db_p + pc, tl.sum(acc_b, axis=0), mask=mc)
+        pm = p.to(tl.int64) * M * C + cols
+        if M > 0:
+            tl.store(dmix_p + pm, tl.sum(a0, axis=0), mask=mc)
+        if M > 1:
+            tl.store(dmix_p + pm + C, tl.sum(a1, axis=0), mask=mc)
+        if M > 2:
+            tl.store(dmix_p + pm + 2 * C, tl.sum(a2, axis=0), mask=mc)
+        if M > 3:
+            tl.store(dmix_p + pm + 3 * C, tl.sum(a3, axis=0), mask=mc)
+        if M > 4:
+            tl.store(dmix_p + pm + 4 * C, tl.sum(a4, axis=0), mask=mc)
+        if M > 5:
+            tl.store(dmix_p + pm + 5 * C, tl.sum(a5, axis=0), mask=mc)
+        if M > 6:
+            tl.store(dmix_p + pm + 6 * C, tl.sum(a6, axis=0), mask=mc)
+        if M > 7:
+            tl.store(dmix_p + pm + 7 * C, tl.sum(a7, axis=0), mask=mc)
+
+
+def _tiles(C: int) -> tuple[int, int, int]:
+    """The column block and the rows per tile: (BC, rows of the forward's and the row sums' tiles
+    (512 elements), rows of the column-block kernel's (256: it keeps M + 2 accumulator tiles)).
+    Twice as large, the forward and the row sums take ~130 registers and the column-block kernel
+    spills (sm_80, bf16); these take 32..100 (the compile gate, M <= 8)."""
+    BC = min(triton.next_power_of_2(C), 256)
+    return BC, min(16, 512 // BC), min(16, 256 // BC)
+
+
+def _slots(tensors: list[Tensor], fill: Tensor) -> list[Tensor]:
+    return [*tensors, *[tensors[0] if tensors else fill] * (SLOTS - len(tensors))]
+
+
+def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
+    """The largest offset into each buffer the kernels index (int64 row bases; the statistics
+    [2, B, T] and the partials are smaller)."""
+    return check_offsets("shift_mix triton", {"x, y, dy": (B, T, C)})
+
+
+@triton_op("rwkvx::shift_mix_triton_fwd")
+def shift_mix_triton_fwd(
+    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor, eps: float
+) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
+    """The forward kernel: x [B, T, C], weight and bias [C], mix [M, C] (any floating dtypes), the
+    state [B, C] in the compute dtype. Returns ([y_0 .. y_{M-1}] in x's dtype, state_out [B, C], and
+    the LayerNorm's mean and 1/std [B, T], in the compute dtype)."""
+    B, T, C = x.shape
+    M = mix.shape[0]
+    x, weight, bias, mix, state = (t.contiguous() for t in (x, weight, bias, mix, state))
+    cdt, DT = compute_dtype(x.dtype)
+    BC, BT, _ = _tiles(C)
+    ys = [torch.empty_like(x) for _ in range(M)]
+    s_out = torch.empty_like(state)
+    mean, rstd = (torch.empty(B, T, dtype=cdt, device=x.device) for _ in range(2))
+    wrap_triton(_fwd_kernel)[(triton.cdiv(B * T, BT),)](
+        x, weight, bias, mix, state, *_slots(ys, x), s_out, mean, rstd,
+        B * T, T, C, eps, M, BT, BC, DT, num_warps=WARPS,
+    )  # fmt: skip
+    return ys, s_out, mean, rstd
+
+
+@triton_op("rwkvx::shift_mix_triton_bwd")
+def shift_mix_triton_bwd(
+    dys: list[Tensor],
+    ds_out: Tensor | None,
+    x: Tensor,
+    weight: Tensor,
+    bias: Tensor,
+    mix: Tensor,
+    state: Tensor,
+    mean: Tensor,
+    rstd: Tensor,
+    dx_add: Tensor | None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """The backward kernels: the cotangents of M outputs [B, T, C] (one dtype), with mix [M, C] the
+    lerp weights of those M; the state_out cotangent [B, C] (or None); the forward's inputs and
+    statistics; dx_add [B, T, C] added into dx (or None). Returns (dx in x's dtype, then dweight,
+    dbias [C], dmix [M, C], dstate [B, C] in the compute dtype)."""
+    B, T, C = x.shape
+    M, R = len(dys), B * T
+    dys = [g.contiguous() for g in dys]
+    x, weight, bias, mix, state, mean, rstd = (t.contiguous() for t in (x, weight, bias, mix, state, mean, rstd))
+    ds = x if ds_out is None else ds_out.contiguous()
+    add = x if dx_add is None else dx_add.contiguous()
+    cdt, DT = compute_dtype(x.dtype)
+    BC, BT, BT2 = _tiles(C)
+    NCB = triton.cdiv(C, BC)
+    P, RP = row_chunks(R, BT2, NCB)
+    empty = compute_empty(cdt, x.device)
+    sums = empty(2, R)
+    dx = torch.empty_like(x)
+    dstate = empty(B, C)
+    dw_p, db_p, dmix_p = empty(P, C), empty(P, C), empty(P, M, C)
+    slots = _slots(dys, x)
+    wrap_triton(_bwd_rows_kernel)[(triton.cdiv(R, BT),)](
+        *slots, ds, x, weight, mix, mean, rstd, sums,
+        R, T, C, M, ds_out is not None, BT, BC, DT, num_warps=WARPS,
+    )  # fmt: skip
+    wrap_triton(_bwd_kernel)[(P, NCB)](
+        *slots, ds, add, x, weight, bias, mix, state, mean, rstd, sums, dx, dstate, dw_p, db_p, dmix_p,
+        R, T, C, RP, M, ds_out is not None, dx_add is not None, BT2, BC, DT, num_warps=WARPS if M <= 6 else 2 * WARPS,
+    )  # fmt: skip
+    return dx, dw_p.sum(0), db_p.sum(0), dmix_p.sum(0), dstate
+
+
+class _ShiftMixTriton(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, mix, state, eps):
+        B, T, C = x.shape
+        index_offsets(B, T, C)
+        cdt, _ = compute_dtype(x.dtype)
+        ins = [t.detach() for t in (x, weight, bias, mix)]
+        s0 = state.detach().to(cdt)
+        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, s0, eps)
+        ctx.save_for_backward(*ins, s0, mean, rstd)
+        ctx.dtypes = (weight.dtype, bias.dtype, mix.dtype, state.dtype)
+        return (*ys, s_out)
+
+    @staticmethod
+    def backward(ctx, *grads):
+        x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
+        *dys, ds_out = grads
+        kept = [i for i, g in enumerate(dys) if g is not None]  # the outputs a loss reached
+        sel = mix if len(kept) == len(dys) else mix[kept]
+        dx, dw, db, dmix_k, dstate = torch.ops.rwkvx.shift_mix_triton_bwd(
+            [dys[i] for i in kept], ds_out, x, weight, bias, sel, s0, mean, rstd, None
+        )
+        if len(kept) < len(dys):
+            dmix = dmix_k.new_zeros(mix.shape)
+            dmix[kept] = dmix_k
+        else:
+            dmix = dmix_k
+        wdt, bdt, mdt, sdt = ctx.dtypes
+        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dmix.to(mdt), dstate.to(sdt), None
+
+
+def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5):
+    *ys, s_out = _ShiftMixTriton.apply(x, weight, bias, mix, state, eps)
+    return tuple(ys), s_out
