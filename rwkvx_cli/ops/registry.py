@@ -98,8 +98,9 @@ class OpSpec:
     # Extra gradient columns derived from inputs and grads, e.g. dL/dw_eff.
     derived: dict[str, Callable[[Tensors, Tensors], torch.Tensor]] = field(default_factory=dict)
     # The sizes the GPU compile gate records this op's Triton kernels at, each a dict of dims
-    # overriding the gradient-check case's (default: H = 1 at each of its head sizes N). The
-    # fused block ops, whose kernels tile the model width C = H·N, name production widths.
+    # overriding the gradient-check case's, and of case options (default: H = 1 at each of its
+    # head sizes N). The fused block ops, whose kernels tile the model width C = H·N, name
+    # production widths.
     compile_dims: tuple[dict[str, int], ...] = ()
 
     def call(

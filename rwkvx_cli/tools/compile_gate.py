@@ -208,8 +208,8 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
 
 
 def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
-    """The sizes an op's kernels are recorded at: its own `compile_dims` at these head sizes, or
-    one head (H = 1) of each head size."""
+    """The sizes an op's kernels are recorded at: its own `compile_dims` at these head sizes (an
+    entry may also set case options, e.g. shift_mix's M), or one head (H = 1) of each head size."""
     if spec.compile_dims:
         return [{"H": 1, **d} for d in spec.compile_dims if d["N"] in head_sizes]
     return [{"H": 1, "N": N} for N in head_sizes]
@@ -222,8 +222,9 @@ def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict |
 
     base = spec.fd_case
     N = sizes["N"]
-    dims = {**base.dims, "B": 1, "T": T, **sizes}
-    case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **(options or {})})
+    dims = {**base.dims, "B": 1, "T": T, **{k: v for k, v in sizes.items() if k in "BTHN"}}
+    options = {**{k: v for k, v in sizes.items() if k not in "BTHN"}, **(options or {})}
+    case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **options})
     tensors = spec.sample(case, torch.Generator().manual_seed(0))
     inputs = {
         k: (v.to(dtype) if k in spec.inputs else v.float()).requires_grad_(v.is_floating_point())
