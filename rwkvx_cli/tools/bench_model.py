@@ -25,15 +25,16 @@ the running total):
 The steps are timed as one block (mean step time). With `vs_gpt` the config is compared with a
 nanoGPT-style transformer of the same shape (models/gpt.py: n_layer, n_embd, vocab_size, one
 head per model.head_size channels, train.ctx_len positions, tied head) trained in the same
-process on the same tokens: same B, T, device, precision, loss head (no L2Wrap), AdamW groups
-and number of steps. The two models' steps alternate (round i: RWKV then GPT, or GPT then
-RWKV on odd rounds), each step timed on its own, and both step times are medians over the
-rounds, so that the machine's noise hits both alike; `rwkv_over_gpt` = RWKV tokens/s / GPT
-tokens/s; with `vs_unchunked` (a config with train.chunk_len) the same window's unchunked step
-is timed the same way, interleaved, and its memory measured: `chunked_over_unchunked` = chunked
-step time / unchunked step time; with `vs_unfused` the same model with model.fused off (the same
-weights: the same seed), a second model with its own optimizer, interleaved the same way, its
-memory measured: `fused_speedup` = unfused step time / fused step time.
+process on the same tokens: same B, T, device, precision, loss head (no L2Wrap), the trainer's
+AdamW (train/optimizer.py) with the same groups, and number of steps. The two models' steps
+alternate (round i: RWKV then GPT, or GPT then RWKV on odd rounds), each step timed on its own,
+and both step times are medians over the rounds, so that the machine's noise hits both alike;
+`rwkv_over_gpt` = RWKV tokens/s / GPT tokens/s; with `vs_unchunked` (a config with
+train.chunk_len) the same window's unchunked step is timed the same way, interleaved, and its
+memory measured: `chunked_over_unchunked` = chunked step time / unchunked step time; with
+`vs_unfused` the same model with model.fused off (the same weights: the same seed), a second
+model with its own optimizer, interleaved the same way, its memory measured: `fused_speedup` =
+unfused step time / fused step time.
 
 Every run also counts the ops a block dispatches in one forward + backward (tools/op_count.py):
 `ops_per_block` for this config's model, and with `vs_unfused` / `vs_gpt` for the unfused model
@@ -60,6 +61,7 @@ from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
 from rwkvx_cli.tools.op_count import ops_per_block
+from rwkvx_cli.train.optimizer import adamw
 
 COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
 
@@ -114,7 +116,7 @@ def bench_model(
     runtime.apply()
     mode = runtime.precision
     l2wrap = uses_l2wrap(tc.l2wrap, model.kinds)
-    opt = torch.optim.AdamW(parameter_groups(model, tc.lr, tc.weight_decay), lr=tc.lr)
+    opt = adamw(parameter_groups(model, tc.lr, tc.weight_decay), tc.lr, tc.betas, tc.eps)
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
@@ -127,7 +129,7 @@ def bench_model(
         gpt = GPT(gc, tc.seed).to(device)
         gpt_parameters = sum(p.numel() for p in gpt.parameters())
         gpt_flops = gpt.train_flops_per_token(T)
-        gpt_opt = torch.optim.AdamW(parameter_groups(gpt, tc.lr, tc.weight_decay), lr=tc.lr)
+        gpt_opt = adamw(parameter_groups(gpt, tc.lr, tc.weight_decay), tc.lr, tc.betas, tc.eps)
         gpt_step = _train_step(gpt, gpt_opt, idx, tc.head, False, mode, device, tc.compile)  # no L2Wrap: nanoGPT's
         gpt_step()  # warm-up
         step_s, gpt_step_s = _interleaved(step, gpt_step, steps, device)
@@ -140,7 +142,7 @@ def bench_model(
     elif vs_unfused:
         plain = build_model(replace(cfg.model, fused=False), tc.seed).to(device)  # the same weights
         plain.grad_checkpointing = tc.grad_cp
-        plain_opt = torch.optim.AdamW(parameter_groups(plain, tc.lr, tc.weight_decay), lr=tc.lr)
+        plain_opt = adamw(parameter_groups(plain, tc.lr, tc.weight_decay), tc.lr, tc.betas, tc.eps)
         plain_step = _train_step(plain, plain_opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
         plain_step()  # warm-up
         step_s, plain_s = _interleaved(step, plain_step, steps, device)

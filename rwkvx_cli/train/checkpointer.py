@@ -21,6 +21,7 @@ from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import DistInfo
+from rwkvx_cli.train.optimizer import IMPLEMENTATION
 
 # The TBPTT carry: per micro-batch, per block, the block's state (a dict of tensors), or None
 # for a micro-batch that starts from a zero state (and for MoBA blocks, which keep none).
@@ -288,7 +289,9 @@ def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[tor
         if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"]):
             raise bad(f"group {i} holds a different number of parameters")
         for key, val in live.items():
-            if key != "params" and not _same_kind(g.get(key), val):
+            if key == "params" or key in IMPLEMENTATION:  # how the update is computed, not what
+                continue
+            if not _same_kind(g.get(key), val):
                 raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
             if isinstance(val, bool) and g.get(key) != val:  # a flag (amsgrad, maximize, ...) changes the algorithm
                 raise bad(f"group {i} setting {key!r} is {g.get(key)!r}, this run's {val!r}")

@@ -18,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rwkvx_cli.config import ConfigError
+from rwkvx_cli.train.optimizer import implementation, restore_implementation
 
 
 @dataclass(frozen=True)
@@ -168,7 +169,7 @@ def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
 
 
-def _sharded(model) -> bool:
+def sharded(model) -> bool:
     return any(hasattr(p, "full_tensor") for p in model.parameters())
 
 
@@ -181,7 +182,7 @@ def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> lis
 def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
     """(weights, optimizer state_dict with integer keys), full tensors on the CPU; under FSDP a
     collective whose result only rank 0 gets (the others get empty dicts)."""
-    if not _sharded(model):
+    if not sharded(model):
         return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -204,11 +205,14 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
 
 
 def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_state: dict | None) -> None:
-    """Load full tensors (as written by `full_state`) into a plain or sharded model and its optimizer."""
-    if not _sharded(model):
+    """Load full tensors (as written by `full_state`) into a plain or sharded model and its optimizer.
+    The optimizer keeps its own implementation flags (train/optimizer.py), whatever the state's say."""
+    flags = implementation(optimizer) if optimizer is not None else None
+    if not sharded(model):
         model.load_state_dict(weights)
         if optim_state is not None:
             optimizer.load_state_dict(optim_state)
+            restore_implementation(optimizer, flags)
         return
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
@@ -227,3 +231,4 @@ def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_stat
         }
         # Not strict: parameters that never get a gradient (layer 0's frozen att.v0/v1/v2) have no state.
         set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))
+        restore_implementation(optimizer, flags)

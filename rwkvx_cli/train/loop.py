@@ -31,6 +31,7 @@ from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import Sinks, mfu_pct
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
+from rwkvx_cli.train.optimizer import adamw
 from rwkvx_cli.train.profiling import StepProfiler
 from rwkvx_cli.train.schedule import lr_at
 
@@ -111,8 +112,12 @@ class Trainer:
         self.runtime.apply()
         self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
         params = dict(self.model.named_parameters())
-        self.optimizer = torch.optim.AdamW(
-            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], lr=t.lr, betas=t.betas, eps=t.eps
+        self.optimizer = adamw(
+            [{**g, "params": [params[n] for n in g["params"]]} for g in groups],
+            t.lr,
+            t.betas,
+            t.eps,
+            sharded=distributed.sharded(self.model),
         )
         self.sampler = make_sampler(cfg, train_tokens, self.global_rows)
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
