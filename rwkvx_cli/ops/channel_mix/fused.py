@@ -6,7 +6,8 @@ matmuls (torch's: MKL/oneDNN on the CPU, cuBLAS on CUDA) and a backend's element
         per-row mean and 1/std [B, T] kept for the backward
     shift_bwd(dx_k, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
         -> (dx, dweight, dbias, dmix [1, C], dstate)
-        its backward, with the residual's gradient dx_add added into dx
+        its backward, with the residual's gradient dx_add added into dx; dstate_out may be None
+        (the state out unused: zero)
     relu2_fwd(h) -> relu(h)²            relu2_bwd(da, a) -> 2 sqrt(a) da
 
 The forward keeps x (the block's residual stream, alive anyway), the LayerNorm's statistics, x_k
@@ -60,6 +61,7 @@ class ChannelMix(torch.autograd.Function):
         ctx.eps, ctx.kernels = eps, kernels
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, key.dtype, value.dtype, state.dtype)
         ctx.mix_shape = mix.shape
+        ctx.set_materialize_grads(False)  # an unused state_out's cotangent stays None (shift_bwd reads no zeros)
         return y.view(B, T, C).to(x.dtype), s_out
 
     @staticmethod
@@ -68,6 +70,7 @@ class ChannelMix(torch.autograd.Function):
         B, T, C = x.shape
         k = ctx.kernels
         cdt = weight.dtype
+        dy = torch.zeros_like(x) if dy is None else dy
         dy = dy.reshape(B * T, C)
         dy_mm = dy.to(xk.dtype)
         da = dy_mm @ vw
@@ -75,8 +78,9 @@ class ChannelMix(torch.autograd.Function):
         dh = k.relu2_bwd(da, a)
         dxk = (dh @ kw).to(cdt).view(B, T, C)
         dkey = dh.t() @ xk
+        ds_out = None if ds_out is None else ds_out.to(cdt).contiguous()
         dx, dweight, dbias, dmix, dstate = k.shift_bwd(
-            dxk, ds_out.to(cdt).contiguous(), x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C)
+            dxk, ds_out, x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C)
         )
         grads = (dx, dweight, dbias, dmix.view(ctx.mix_shape), dkey, dvalue, dstate)
         return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)

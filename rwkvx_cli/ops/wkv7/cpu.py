@@ -68,15 +68,17 @@ def wkv7_cpu_bwd(
     snaps: Tensor,
     sas: Tensor,
     dy: Tensor,
-    ds_out: Tensor,
+    ds_out: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernel: the forward's inputs (w effective), its snapshots and sa,
-    and the cotangents of y and state_out. Returns (dr, dw_log, dk, dv, da, db, dstate)."""
+    and the cotangents of y and state_out (None: zero, as in training without a carried
+    state). Returns (dr, dw_log, dk, dv, da, db, dstate)."""
     B, T, H, N = r.shape
-    ins = [x.contiguous() for x in (r, w, k, v, a, b, snaps, sas, dy, ds_out)]
+    ins = [x.contiguous() for x in (r, w, k, v, a, b, snaps, sas, dy)]
     grads = _wkv7_bwd_fake(r, w, k, v, a, b, snaps, sas, dy, ds_out)
     fn = _kernel("wkv7_backward", r)
-    fn(*map(ptr, (*ins, *grads)), B, T, H, N, CHUNK, torch.get_num_threads())
+    ds = None if ds_out is None else ptr(ds_out.contiguous())
+    fn(*map(ptr, ins), ds, *map(ptr, grads), B, T, H, N, CHUNK, torch.get_num_threads())
     return grads
 
 
@@ -95,13 +97,16 @@ class _WKV7CPU(torch.autograd.Function):
         y, s_out, snaps, sas = torch.ops.rwkvx.wkv7_cpu_fwd(*ins, state.detach().to(cdt).contiguous())
         ctx.save_for_backward(*ins, snaps, sas)
         ctx.dtypes = (r.dtype, state.dtype)
+        ctx.set_materialize_grads(False)  # an unused final state's cotangent stays None: the kernel reads no zeros
         return y.to(r.dtype), s_out
 
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps, sas = ctx.saved_tensors
         cdt = ins[0].dtype
-        grads = torch.ops.rwkvx.wkv7_cpu_bwd(*ins, snaps, sas, dy.to(cdt), ds_out.to(cdt))
+        dy = torch.zeros_like(ins[0]) if dy is None else dy.to(cdt)
+        ds_out = None if ds_out is None else ds_out.to(cdt)
+        grads = torch.ops.rwkvx.wkv7_cpu_bwd(*ins, snaps, sas, dy, ds_out)
         in_dtype, state_dtype = ctx.dtypes
         return (*(g.to(in_dtype) for g in grads[:6]), grads[6].to(state_dtype))
 

@@ -261,7 +261,8 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int bh = 0; bh < B * H; bh++) {
     const int bi = bh / H, h = bh % H;
-    std::vector<F> dS(dsT + bh * NN, dsT + (bh + 1) * NN);
+    // dsT null: the final state has no cotangent (training without a carried state)
+    std::vector<F> dS = dsT ? std::vector<F>(dsT + bh * NN, dsT + (bh + 1) * NN) : std::vector<F>(NN, F(0));
     std::vector<F> states((int64_t)chunk * NN), dwe(N), acc_r(N), dsa(N);
     // Every input and output row of step t, ahead of its use (see simd::prefetch).
     auto prefetch_step = [&](int t) {
