@@ -8,9 +8,9 @@
 //   w = -e^{-1/2} σ(w0 + w_lora)    ag = σ(a0 + a_lora)    k' = k ⊙ (1 + (ag - 1) ⊙ k_a)
 //   v' = v + (v_first - v) ⊙ σ(v0 + v_lora)                 (first layer: v' = v, not written)
 //   kk = x / max(|x|, 1e-12)    a = -kk    b = kk ⊙ ag    s = Σ r ⊙ k' ⊙ r_k    bonus = s v'
-// Each head takes two sweeps of its channels: the first computes what the head's sums need and
-// the sums, the second what depends on them. The second reads back only what the first left in
-// L1, so every tensor crosses memory once.
+// Each head takes four sweeps of its channels: w; v'; ag, k', x and the head's two sums (leaving x
+// and ag in the a and b rows); a, b and the bonus, which depend on the sums. A sweep reads back
+// only what an earlier one left in L1, so every tensor crosses memory once.
 //
 // Backward (one row and head; dX is the cotangent, any of them may be absent = zero):
 //   dkk = -da + db ag                  dag = db kk                        ds = Σ dbonus ⊙ v'
@@ -22,19 +22,21 @@
 //   dv'' = dv' + dbonus s              dv = dv'' (1 - sv)     dv_first = dv'' sv
 //   dv_lora = dv0 terms = dv'' ⊙ (v_first - v) sv (1 - sv),   sv = σ(v0 + v_lora)
 // In the first layer dv = dbonus s: v' is v itself, so its own cotangent reaches v outside.
-// The first sweep computes the four sums (|x|², x · dkk, s, ds) and leaves ag and sv in the
-// da_lora and dv_lora rows, which the second sweep reads back and overwrites. The parameter
-// gradients (sums over the rows) go to per-thread fp32 partials, added into per-thread fp64
-// totals every kBlock rows and summed over the threads in order: deterministic for a given
-// thread count.
+// Each head takes five sweeps: the w path; sv and the sum ds (sv left in the dv_lora row); ag and
+// the sums |x|², x · dkk and s (ag left in the da_lora row); the k, a and b paths; the v path. The
+// later sweeps read ag and sv back and overwrite them. The parameter gradients (sums over the
+// rows) go to per-thread fp32 partials, added into per-thread fp64 totals every kBlock rows and
+// summed over the threads in order: deterministic for a given thread count.
 //
 // Speed. The arithmetic is mostly the three logistics per element (forward and backward both
 // compute them, the backward from the inputs), so σ is one exp and one division with no selects
-// (logistic below). The sweeps are plain loops over a row's pointers held in locals: the tensors'
-// pointers reach an OpenMP region as addresses of shared variables, and stores through a char
-// type (memcpy) may alias them, which made GCC reload every pointer through its address on every
-// vector and keep the sums on the stack. Loads and stores go through a vector type of the
-// element's alignment instead, which aliases only F.
+// (logistic below). A head is split into sweeps that each touch a few streams because one loop
+// over all of them (19 forward, 32 backward with the partials' six rows) needs more pointers and
+// vectors than x86-64 has registers, and spilled them on every vector. The sweeps are plain loops
+// over a row's pointers held in locals: the tensors' pointers reach an OpenMP region as addresses
+// of shared variables, and stores through a char type (memcpy) may alias them, which made GCC
+// reload every pointer through its address on every vector and keep the sums on the stack. Loads
+// and stores go through a vector type of the element's alignment instead, which aliases only F.
 #include <omp.h>
 
 #include <algorithm>
@@ -177,7 +179,7 @@ struct Outputs {
 };
 
 // One row of the forward, head by head, in four sweeps of a head's channels that each touch only
-// the tensors of one part of the math: a loop over all 18 streams would need more pointers and
+// the tensors of one part of the math: a loop over all 19 streams would need more pointers and
 // vectors than there are registers, and spill them on every vector. The first layer's code
 // (residual false) is compiled apart.
 template <typename F, bool residual>
