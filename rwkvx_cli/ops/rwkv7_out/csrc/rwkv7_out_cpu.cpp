@@ -10,9 +10,11 @@
 // Backward, with e = dout ⊙ g and q = e ⊙ weight:
 //   dg = dout ⊙ (n ⊙ weight + bias + bonus)    dbonus = e    dweight += e ⊙ n    dbias += e
 //   dy = rstd (q - mean_N(q) - n mean_N(q ⊙ n))
-// Each head takes a sweep per sum and one for the outputs, over data that stays in L1. The
-// parameter gradients (sums over the rows) go to per-thread partials, summed over the threads in
-// order at the end: deterministic for a given thread count.
+// Each head takes a sweep per sum and one for the outputs, over data that stays in L1; a row does
+// every head's sums before any head's outputs, so that the sums' scalar tail (cross-lane adds,
+// sqrt, division) overlaps other heads' vector work. weight and bias are converted to fp64 once
+// per call. The parameter gradients (sums over the rows) go to per-thread partials, summed over
+// the threads in order at the end: deterministic for a given thread count.
 #include <omp.h>
 
 #include <algorithm>
@@ -33,7 +35,10 @@ using simd::Vec;
 
 // The math runs in fp64 vectors (half as many lanes as fp32's) for fp32 data too: dy is a
 // difference of terms much larger than itself (its N values sum to 0), so fp32 intermediates
-// (n, q, rstd) would leave errors of a few fp32 ulps of those terms in it. Memory stays in F.
+// (n, q, rstd) would leave errors of a few fp32 ulps of those terms in it (gate A's multihead
+// case: 1.04e-3 in fp32). The forward's n ⊙ weight + bias + bonus, and dg's, cancel the same way
+// (the fp32 reference reaches 2.4e-4 on out), so they stay fp64 too, which keeps every column
+// within a few 1e-8. Memory stays in F.
 typedef Vec<double>::type VD;
 constexpr int L = Vec<double>::L;
 constexpr int kBlock = 64;  // rows per partial sum of the parameter gradients
@@ -102,92 +107,121 @@ inline void head_sums(int N, double* out, Fn f) {
   for (int k = 0; k < K; k++) out[k] = simd::hsum<double>((s0[k] + s1[k]) + (s2[k] + s3[k]));
 }
 
+// weight and bias in fp64, converted once per call rather than on every row.
+template <typename F>
+std::vector<double> to_fp64(const F* p, int C) {
+  return std::vector<double>(p, p + C);
+}
+
+// One row of the forward: every head's statistics first, then every head's outputs, so that the
+// statistics' scalar tail (sums across lanes, the square root, the division) overlaps other
+// heads' vector work instead of holding up its own head's outputs.
+template <typename F>
+RWKVX_INLINE inline void forward_row(const F* y, const F* bonus, const F* g, const double* wd, const double* bd,
+                                     F* out, double* mean, double* rstd, int64_t row, int H, int N, double eps) {
+  const int64_t off = row * H * N;
+  y += off, bonus += off, g += off, out += off, mean += row * H, rstd += row * H;
+  const double inv_n = 1.0 / N;
+  for (int h = 0; h < H; h++) {
+    const F* yh = y + h * N;
+    // One sweep for both moments of d = y - y[0]: var = E[d²] - E[d]², and since
+    // (y[0] - mean)² <= N var, E[d²] <= (N + 1) var: the difference costs at most
+    // log2(N + 1) of fp64's 53 bits, whatever the mean.
+    const double y0 = yh[0];
+    double sums[2];
+    head_sums<2>(N, sums, [&](int i, int n, VD* s) {
+      const VD d = first(ld(yh + i, n) - y0, n);
+      s[0] += d, s[1] += d * d;
+    });
+    const double md = sums[0] * inv_n;
+    mean[h] = y0 + md, rstd[h] = 1 / std::sqrt(std::max(sums[1] * inv_n - md * md, 0.0) + eps);
+  }
+  for (int h = 0; h < H; h++) {
+    const double mu = mean[h], rs = rstd[h];
+    sweep(N, [&](int i, int n) RWKVX_INLINE {
+      const int c = h * N + i;
+      const VD t = (ld(y + c, n) - mu) * (rs * ld(wd + c, n)) + ld(bd + c, n) + ld(bonus + c, n);
+      st(out + c, t * ld(g + c, n), n);
+    });
+  }
+}
+
 template <typename F>
 void forward(const F* y, const F* bonus, const F* g, const F* weight, const F* bias, F* out, double* mean,
              double* rstd, int64_t rows, int H, int N, double eps, int threads) {
-  const int C = H * N;
+  const std::vector<double> wd = to_fp64(weight, H * N), bd = to_fp64(bias, H * N);
 #pragma omp parallel for num_threads(threads) schedule(static)
-  for (int64_t row = 0; row < rows; row++) {
-    for (int h = 0; h < H; h++) {
-      const F* yh = y + row * C + h * N;
-      // One sweep for both moments of d = y - y[0]: var = E[d²] - E[d]², and since
-      // (y[0] - mean)² <= N var, E[d²] <= (N + 1) var: the difference costs at most
-      // log2(N + 1) of fp64's 53 bits, whatever the mean.
-      const double y0 = yh[0];
-      double sums[2];
-      head_sums<2>(N, sums, [&](int i, int n, VD* s) {
-        const VD d = first(ld(yh + i, n) - y0, n);
-        s[0] += d, s[1] += d * d;
-      });
-      const double md = sums[0] / N, mu = y0 + md;
-      const double rs = 1 / std::sqrt(std::max(sums[1] / N - md * md, 0.0) + eps);
-      mean[row * H + h] = mu, rstd[row * H + h] = rs;
-      sweep(N, [&](int i, int n) RWKVX_INLINE {
-        const int c = h * N + i;
-        const int64_t o = row * C + c;
-        const VD yn = (ld(y + o, n) - mu) * rs * ld(weight + c, n) + ld(bias + c, n);
-        st(out + o, (yn + ld(bonus + o, n)) * ld(g + o, n), n);
-      });
-    }
+  for (int64_t row = 0; row < rows; row++)
+    forward_row(y, bonus, g, wd.data(), bd.data(), out, mean, rstd, row, H, N, eps);
+}
+
+// One row of the backward, as the forward: every head's two sums (into mq [2H]), then every
+// head's outputs, whose parameter-gradient terms go to the partials [2][C].
+template <typename F>
+RWKVX_INLINE inline void backward_row(const F* y, const F* bonus, const F* g, const double* wd, const double* bd,
+                                      const double* mean, const double* rstd, const F* dout, F* dy, F* dbonus, F* dg,
+                                      double* part, double* mq, int64_t row, int H, int N) {
+  const int C = H * N;
+  const int64_t off = row * C;
+  y += off, bonus += off, g += off, dout += off, dy += off, dbonus += off, dg += off;
+  mean += row * H, rstd += row * H;
+  const double inv_n = 1.0 / N;
+  for (int h = 0; h < H; h++) {
+    const double mu = mean[h], rs = rstd[h];
+    const int c0 = h * N;
+    double sums[2];
+    head_sums<2>(N, sums, [&](int i, int n, VD* s) {
+      const int c = c0 + i;
+      const VD q = ld(dout + c, n) * ld(g + c, n) * ld(wd + c, n);  // 0 past n
+      s[0] += q, s[1] += q * (ld(y + c, n) - mu);
+    });
+    mq[2 * h] = sums[0] * inv_n, mq[2 * h + 1] = sums[1] * rs * inv_n;
+  }
+  double *pw = part, *pb = part + C;
+  for (int h = 0; h < H; h++) {
+    const double mu = mean[h], rs = rstd[h], m = mq[2 * h], mn = mq[2 * h + 1];
+    sweep(N, [&](int i, int n) RWKVX_INLINE {
+      const int c = h * N + i;
+      const VD wt = ld(wd + c, n), nv = (ld(y + c, n) - mu) * rs, dot = ld(dout + c, n);
+      const VD e = dot * ld(g + c, n);
+      st(dg + c, dot * (nv * wt + ld(bd + c, n) + ld(bonus + c, n)), n);
+      st(dbonus + c, e, n);
+      st(dy + c, rs * (e * wt - m - nv * mn), n);
+      st(pw + c, ld(pw + c, n) + e * nv, n), st(pb + c, ld(pb + c, n) + e, n);
+    });
   }
 }
 
-// The parameter gradients' sums over rows, in each thread's range of rows: body(row, partials)
-// adds a row's terms to partials [P][C]; grads[p] gets the total. The partials of kBlock rows
-// are added into the thread's totals, and the totals over the threads in order.
-template <typename F, typename Body>
-void sum_rows(int64_t rows, int P, int C, int threads, F* const* grads, Body body) {
-  std::vector<double> totals((size_t)threads * P * C, 0.0);
-#pragma omp parallel num_threads(threads)
-  {
-    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
-    const int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
-    std::vector<double> part((size_t)P * C, 0.0);
-    double* mine = totals.data() + (size_t)t * P * C;
-    for (int64_t r0 = lo; r0 < hi; r0 += kBlock) {
-      for (int64_t row = r0; row < std::min(hi, r0 + kBlock); row++) body(row, part.data());
-      for (size_t j = 0; j < part.size(); j++) mine[j] += part[j], part[j] = 0;
-    }
-  }
-  for (int p = 0; p < P; p++)
-    for (int c = 0; c < C; c++) {
-      double s = 0;
-      for (int t = 0; t < threads; t++) s += totals[((size_t)t * P + p) * C + c];
-      grads[p][c] = F(s);
-    }
-}
-
+// The parameter gradients' sums over rows: each thread's range of rows adds into its partials,
+// those into its totals every kBlock rows, and the totals over the threads in order make
+// dweight and dbias: deterministic for a given thread count.
 template <typename F>
 void backward(const F* y, const F* bonus, const F* g, const F* weight, const F* bias, const double* mean,
               const double* rstd, const F* dout, F* dy, F* dbonus, F* dg, F* dweight, F* dbias, int64_t rows, int H,
               int N, int threads) {
   const int C = H * N;
-  F* const grads[2] = {dweight, dbias};
-  sum_rows<F>(rows, 2, C, threads, grads, [&](int64_t row, double* part) {
-    for (int h = 0; h < H; h++) {
-      const double mu = mean[row * H + h], rs = rstd[row * H + h];
-      const int64_t base = row * C + h * N;
-      double sums[2];
-      head_sums<2>(N, sums, [&](int i, int n, VD* s) {
-        const int64_t o = base + i;
-        const VD q = ld(dout + o, n) * ld(g + o, n) * ld(weight + h * N + i, n);  // 0 past n
-        s[0] += q, s[1] += q * (ld(y + o, n) - mu) * rs;
-      });
-      const double mq = sums[0] / N, mqn = sums[1] / N;
-      sweep(N, [&](int i, int n) RWKVX_INLINE {
-        const int c = h * N + i;
-        const int64_t o = base + i;
-        const VD wt = ld(weight + c, n), nv = (ld(y + o, n) - mu) * rs, dot = ld(dout + o, n);
-        const VD e = dot * ld(g + o, n);
-        st(dg + o, dot * (nv * wt + ld(bias + c, n) + ld(bonus + o, n)), n);
-        st(dbonus + o, e, n);
-        st(dy + o, rs * (e * wt - mq - nv * mqn), n);
-        double* pw = part + c;
-        double* pb = part + C + c;
-        st(pw, ld(pw, n) + e * nv, n), st(pb, ld(pb, n) + e, n);
-      });
+  const std::vector<double> wd = to_fp64(weight, C), bd = to_fp64(bias, C);
+  std::vector<double> totals((size_t)threads * 2 * C, 0.0);
+#pragma omp parallel num_threads(threads)
+  {
+    const int t = omp_get_thread_num(), nt = omp_get_num_threads();
+    const int64_t lo = rows * t / nt, hi = rows * (t + 1) / nt;
+    std::vector<double> part((size_t)2 * C, 0.0), mq((size_t)2 * H);
+    double* mine = totals.data() + (size_t)t * 2 * C;
+    for (int64_t r0 = lo; r0 < hi; r0 += kBlock) {
+      for (int64_t row = r0; row < std::min(hi, r0 + kBlock); row++)
+        backward_row(y, bonus, g, wd.data(), bd.data(), mean, rstd, dout, dy, dbonus, dg, part.data(), mq.data(), row,
+                     H, N);
+      for (size_t j = 0; j < part.size(); j++) mine[j] += part[j], part[j] = 0;
     }
-  });
+  }
+  F* const grads[2] = {dweight, dbias};
+  for (int p = 0; p < 2; p++)
+    for (int c = 0; c < C; c++) {
+      double s = 0;
+      for (int t = 0; t < threads; t++) s += totals[((size_t)t * 2 + p) * C + c];
+      grads[p][c] = F(s);
+    }
 }
 
 }  // namespace
