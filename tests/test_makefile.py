@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
-from tests.train.helpers import REPO, rollback_to
+from tests.train.helpers import REPO, one_thread, rollback_to
 
 MAKEFILE = REPO / "Makefile"
 STAMP = ".venv/.installed"  # the install prerequisite: `-o` keeps `make -n` from listing its recipe
@@ -69,7 +69,8 @@ def test_a_train_target_run_again_continues_or_has_nothing_to_do(tmp_path, corpu
     ]
 
     def run():
-        result = runner.invoke(app, [*args, *tiny])
+        with one_thread():  # a model this small runs fastest on one thread
+            result = runner.invoke(app, [*args, *tiny])
         assert result.exit_code == 0, result.output
         return result.output
 
