@@ -75,6 +75,7 @@ def test_a_train_target_run_again_continues_or_has_nothing_to_do(tmp_path, corpu
         return result.output
 
     run()  # the first run: no checkpoint yet
+    assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
     rollback_to(tmp_path / "run", 1)  # as if the demo had been stopped after its first step
     assert "resumed from step 1" in run()
     assert (tmp_path / "run" / "checkpoints" / "step_00000003").is_dir()
