@@ -36,12 +36,14 @@ lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
 
 # The main job: train the tiny RWKV-7 on the bundled Shakespeare (CPU, minutes),
-# ending with validation bits per byte and a generated sample.
+# ending with validation bits per byte and a generated sample. --resume makes a rerun safe:
+# an interrupted demo continues from its last checkpoint, a finished one has nothing to do,
+# and with no checkpoint yet it starts at step 0 (delete runs/tiny to train it afresh).
 demo: $(STAMP)
-	$(BIN)/rwkvx train --config configs/tiny.yaml
+	$(BIN)/rwkvx train --config configs/tiny.yaml --resume
 
 demo-rwkvx: $(STAMP)
-	$(BIN)/rwkvx train --config configs/tiny-rwkvx.yaml
+	$(BIN)/rwkvx train --config configs/tiny-rwkvx.yaml --resume
 
 # Prove the kernels' gradients (both gates, every production backend).
 gradcheck: $(STAMP)

@@ -281,7 +281,7 @@ def test_export_refuses_non_finite_weights_and_fp16_overflow(tmp_path):
 
 # -- 9. a model vocabulary larger than the tokenizer's --------------------------------------------
 def test_a_model_vocabulary_above_the_tokenizers_samples_only_its_ids(tmp_path, corpus):
-    """The README allows model.vocab_size above the tokenizer's (padding to a round number): the rows
+    """docs/config.md allows model.vocab_size above the tokenizer's (padding to a round number): the rows
     beyond it are never sampled, so the closing sample and `eval --generate` decode."""
     run = tmp_path / "run"
     result = invoke("train", *tiny_args(run, corpus, *SHORT, "model.vocab_size=4096"))
