@@ -42,5 +42,6 @@ def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[
     from rwkvx_cli.evaluation.harness import run_tasks
 
     keys = ("limit", "num_fewshot", "include_path", "batch_size", "bootstrap_iters", "seed", "output", "force")
-    scores = run_tasks(checkpoint, o["tasks"], data_dir=o["data_dir"], on_skip=on_skip, **{k: o[k] for k in keys})
+    options = {k: o[k] for k in keys} | {"on_skip": on_skip, "on_progress": on_progress}
+    scores = run_tasks(checkpoint, o["tasks"], data_dir=o["data_dir"], **options)
     return "tasks", scores
