@@ -177,8 +177,8 @@ def gradcheck_run(plan, seed: int, size: int, all_ops: bool) -> dict:
     results = []
     for spec, backends in plan:
         start = time.perf_counter()
-        with err.status("gradcheck") as status:
-            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
+        with status_line("gradcheck") as on_case:
+            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=on_case)
         seconds = time.perf_counter() - start
         render_gradcheck(report)
         names = ", ".join(b.name for b in backends)
@@ -196,10 +196,21 @@ def gradcheck_run(plan, seed: int, size: int, all_ops: bool) -> dict:
 
 
 @contextlib.contextmanager
-def bench_status():
-    """A status line on stderr while `rwkvx bench` runs; yields its callback (the row being timed)."""
-    with err.status("bench") as status:
-        yield status.update
+def status_line(what: str, interval: float = 30.0):
+    """What long work of no known size is at (the case being checked, the row being timed), on stderr:
+    on a terminal a status line; piped, as `progress` (whose plain lines it shares), a line every
+    `interval` seconds. Yields its callback (the label)."""
+    if err.is_terminal:
+        with err.status(what) as status:
+            yield status.update
+        return
+    with progress(interval) as report:
+        yield lambda label: report(what, 0, 0, info=label)
+
+
+def bench_status(interval: float = 30.0):
+    """`rwkvx bench`'s status_line; yields its callback (the row being timed)."""
+    return status_line("bench", interval)
 
 
 def render_eval(ev: dict, as_json: bool) -> None:

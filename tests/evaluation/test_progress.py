@@ -1,5 +1,6 @@
-"""Progress of `rwkvx eval`'s long work (render.progress, as `data prepare` shows its own): piped, a
-plain line on stderr now and then and when a phase ends; stdout (the figures, --json) unchanged."""
+"""Progress of long work, `rwkvx eval`'s above all (render.progress, as `data prepare` shows its own;
+bench and gradcheck through render.status_line): piped, a plain line on stderr now and then and when
+a phase ends; stdout (the figures, --json) unchanged. And the passkey picture."""
 
 import json
 
@@ -92,3 +93,12 @@ def test_the_passkey_picture_reads_at_both_ends_and_marks_chance():
         import matplotlib.pyplot as plt
 
         plt.close(fig)
+
+
+def test_piped_bench_and_gradcheck_say_now_and_then_what_they_are_at(capsys):
+    with render.bench_status(interval=0.0) as on_row:
+        on_row("wkv7 reference {'B': 1} fwdbwd")
+    with render.status_line("gradcheck", interval=3600.0) as on_case:
+        on_case("cpu: gate A, small")  # within the interval: no line
+    lines = capsys.readouterr()
+    assert lines.err.splitlines() == ["bench wkv7 reference {'B': 1} fwdbwd"] and lines.out == ""
