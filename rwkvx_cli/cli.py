@@ -164,9 +164,10 @@ def eval_cmd(
     lm-evaluation-harness (docs/eval.md; pip install 'rwkvx\\[eval]'); --by-position, --passkey: long context."""
     options = dict(locals())  # every option, by name: the library checks which go together
     from rwkvx_cli.evaluation.command import run_eval
-    from rwkvx_cli.render import render_evaluation
+    from rwkvx_cli.render import progress, render_evaluation
 
-    mode, result = run_eval(options.pop("checkpoint"), on_skip=warn_skipped, **options)
+    with progress() as on_progress:
+        mode, result = run_eval(options.pop("checkpoint"), on_skip=warn_skipped, on_progress=on_progress, **options)
     render_evaluation(mode, result, json_out, output)
 
 

@@ -177,8 +177,8 @@ def gradcheck_run(plan, seed: int, size: int, all_ops: bool) -> dict:
     results = []
     for spec, backends in plan:
         start = time.perf_counter()
-        with err.status("gradcheck") as status:
-            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=status.update)
+        with status_line("gradcheck") as on_case:
+            report = run_gradcheck(spec, backends, seed=seed, size=size, on_case=on_case)
         seconds = time.perf_counter() - start
         render_gradcheck(report)
         names = ", ".join(b.name for b in backends)
@@ -196,10 +196,21 @@ def gradcheck_run(plan, seed: int, size: int, all_ops: bool) -> dict:
 
 
 @contextlib.contextmanager
-def bench_status():
-    """A status line on stderr while `rwkvx bench` runs; yields its callback (the row being timed)."""
-    with err.status("bench") as status:
-        yield status.update
+def status_line(what: str, interval: float = 30.0):
+    """What long work of no known size is at (the case being checked, the row being timed), on stderr:
+    on a terminal a status line; piped, as `progress` (whose plain lines it shares), a line every
+    `interval` seconds. Yields its callback (the label)."""
+    if err.is_terminal:
+        with err.status(what) as status:
+            yield status.update
+        return
+    with progress(interval) as report:
+        yield lambda label: report(what, 0, 0, info=label)
+
+
+def bench_status(interval: float = 30.0):
+    """`rwkvx bench`'s status_line; yields its callback (the row being timed)."""
+    return status_line("bench", interval)
 
 
 def render_eval(ev: dict, as_json: bool) -> None:
@@ -330,10 +341,25 @@ def data_progress():
 
 
 @contextlib.contextmanager
-def prepare_progress(interval: float = 30.0):
-    """`data prepare`'s progress, as `train` shows its own: on a terminal a bar (erased when done) with MB/s,
-    documents, tokens and the ETA from the input sizes; otherwise (a pipe, nohup, SLURM) a plain line on stderr
-    every `interval` seconds and one when the input is read. Yields the callback for PrepareProgress reports."""
+def progress(interval: float = 30.0):
+    """Progress of long work (`data prepare`, `eval`), on stderr so that stdout (a table, --json) stays
+    clean, as `train` shows its own: on a terminal a live bar (erased when done); otherwise (a pipe, nohup,
+    SLURM) a plain line every `interval` seconds and one when a phase ends. Yields the callback
+    report(what, done, total, unit="tokens", info=None): `what` names the phase ("tokenizing", "passkey"),
+    `info` the text beside it (default: done/total unit, the rate and the ETA since the phase began)."""
+    import time
+
+    phases: dict[str, float] = {}  # when each phase was first reported
+
+    def text(what: str, done: int, total: int, unit: str, info: str | None) -> str:
+        if info is not None:
+            return info
+        seconds = time.monotonic() - phases[what]
+        rate = done / seconds if seconds > 0 else 0.0
+        share = f" ({100 * done / total:.0f}%)" if total else ""
+        eta = f" · ETA {fmt_seconds((total - done) / rate)}" if rate > 0 and done < total else ""
+        return f"{done:,}/{total:,} {unit}{share} · {rate:,.0f} {unit}/s{eta}"
+
     if err.is_terminal:
         from rich.progress import BarColumn, Progress, TextColumn
 
@@ -341,21 +367,34 @@ def prepare_progress(interval: float = 30.0):
             "[progress.description]{task.description}", BarColumn(), TextColumn("{task.fields[info]}"),
             console=err, transient=True,
         )
-        task = bar.add_task("tokenizing", total=None, info="")
-        with bar:
-            yield lambda p: bar.update(task, completed=p.bytes_done, total=p.bytes_total, info=prepare_status(p))
-        return
-    import time
+        task = bar.add_task("", total=None, info="")
 
+        def live(what: str, done: int, total: int, unit: str = "tokens", info: str | None = None) -> None:
+            phases.setdefault(what, time.monotonic())
+            line = text(what, done, total, unit, info)
+            bar.update(task, description=what, completed=done, total=total or None, info=line)
+
+        with bar:
+            yield live
+        return
     last = [time.monotonic()]
 
-    def report(p) -> None:
+    def plain(what: str, done: int, total: int, unit: str = "tokens", info: str | None = None) -> None:
         now = time.monotonic()
-        if (p.bytes_done >= p.bytes_total and p.bytes_total) or now - last[0] >= interval:
+        phases.setdefault(what, now)
+        if (total and done >= total) or now - last[0] >= interval:
             last[0] = now
-            err.print(f"tokenizing {prepare_status(p)}", markup=False, soft_wrap=True, highlight=False)
+            err.print(f"{what} {text(what, done, total, unit, info)}", markup=False, soft_wrap=True, highlight=False)
 
-    yield report
+    yield plain
+
+
+@contextlib.contextmanager
+def prepare_progress(interval: float = 30.0):
+    """`data prepare`'s progress (see `progress`): MB/s, documents, tokens and the ETA from the input sizes.
+    Yields the callback for PrepareProgress reports."""
+    with progress(interval) as report:
+        yield lambda p: report("tokenizing", p.bytes_done, p.bytes_total, "bytes", prepare_status(p))
 
 
 def prepare_status(p) -> str:

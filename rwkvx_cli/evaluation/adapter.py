@@ -7,7 +7,6 @@ from __future__ import annotations
 
 from lm_eval.api.model import TemplateLM
 from lm_eval.utils import get_rolling_token_windows, make_disjoint_window
-from tqdm import tqdm
 
 from rwkvx_cli.evaluation.scoring import greedy_until, score_continuations
 from rwkvx_cli.models.model import LM
@@ -19,10 +18,14 @@ class RwkvxLM(TemplateLM):
     """lm-eval's requests scored by our model: `loglikelihood` (TemplateLM tokenizes each pair,
     moving a context's trailing spaces to the continuation; we score the ids), `loglikelihood_rolling`
     (a whole document: one stateful pass for a pure recurrent model, else lm-eval's disjoint rolling
-    windows of `max_length`) and `generate_until` (greedy)."""
+    windows of `max_length`) and `generate_until` (greedy). `on_progress(what, done, total, unit)` hears
+    the requests done of each kind (the CLI's render.progress; none where lm-eval says disable_tqdm)."""
 
-    def __init__(self, model: LM, tokenizer, max_length: int, batch_size: int = 16, mode: str = "fp32"):
+    def __init__(
+        self, model: LM, tokenizer, max_length: int, batch_size: int = 16, mode: str = "fp32", on_progress=None
+    ):
         super().__init__()
+        self.on_progress = on_progress
         self.mode = mode  # the resolved train.precision the forwards run under
         self.model = model
         self.rwkvx_tokenizer = tokenizer  # not `tokenizer`: lm-eval reads that as a HuggingFace one
@@ -51,15 +54,26 @@ class RwkvxLM(TemplateLM):
     def tok_decode(self, tokens) -> str:
         return self.rwkvx_tokenizer.decode(list(tokens))
 
+    def _counter(self, what: str, total: int, disable: bool):
+        """step(n): n more of `total` requests done, told to on_progress."""
+        if self.on_progress is None or disable:
+            return lambda n: None
+        done = [0]
+        self.on_progress(what, 0, total, "requests")
+
+        def step(n: int) -> None:
+            done[0] += n
+            self.on_progress(what, done[0], total, "requests")
+
+        return step
+
     def _score(self, pairs, desc: str, disable_tqdm: bool) -> list[tuple[float, bool]]:
-        with tqdm(total=len(pairs), desc=desc, disable=disable_tqdm) as bar:
-            return score_continuations(
-                self.model, pairs, self.batch_size, self.max_length, progress=bar.update, mode=self.mode
-            )
+        step = self._counter(desc, len(pairs), disable_tqdm)
+        return score_continuations(self.model, pairs, self.batch_size, self.max_length, progress=step, mode=self.mode)
 
     def _loglikelihood_tokens(self, requests, disable_tqdm: bool = False, **kwargs) -> list[tuple[float, bool]]:
         todo = [i for i, (_, _, cont) in enumerate(requests) if cont]
-        scores = self._score([(requests[i][1], requests[i][2]) for i in todo], "Scoring (rwkvx)", disable_tqdm)
+        scores = self._score([(requests[i][1], requests[i][2]) for i in todo], "scoring", disable_tqdm)
         results = [(0.0, True)] * len(requests)  # an empty continuation: log 1, trivially greedy
         for i, res in zip(todo, scores, strict=True):
             results[i] = res
@@ -84,7 +98,7 @@ class RwkvxLM(TemplateLM):
             pairs += windows
             owner += [n] * len(windows)
         totals = [0.0] * len(requests)
-        for n, (logp, _) in zip(owner, self._score(pairs, "Scoring documents (rwkvx)", disable_tqdm), strict=True):
+        for n, (logp, _) in zip(owner, self._score(pairs, "scoring documents", disable_tqdm), strict=True):
             totals[n] += logp
         for req, total in zip(requests, totals, strict=True):
             self.cache_hook.add_partial("loglikelihood_rolling", (req.args[0],), total)
@@ -92,7 +106,8 @@ class RwkvxLM(TemplateLM):
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
         results = []
-        for req in tqdm(requests, desc="Generating (rwkvx, greedy)", disable=disable_tqdm):
+        step = self._counter("generating (greedy)", len(requests), disable_tqdm)
+        for req in requests:
             context, gen_kwargs = req.args
             kwargs = dict(gen_kwargs or {})
             until = kwargs.get("until") or []
@@ -112,4 +127,5 @@ class RwkvxLM(TemplateLM):
                     text = text.split(u)[0]
             self.cache_hook.add_partial("generate_until", (context, gen_kwargs), text)
             results.append(text)
+            step(1)
         return results

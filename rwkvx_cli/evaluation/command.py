@@ -17,14 +17,16 @@ LONG = ("by_position", "max_len", "against", "passkey", "trials", "plot")
 TASK_ONLY = ("limit", "num_fewshot", "include_path", "output")
 
 
-def run_eval(checkpoint: Path, *, on_skip=None, **o) -> tuple[str, object]:
-    """(mode, what it computed) for the eval options `o` (the CLI's, by parameter name)."""
+def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[str, object]:
+    """(mode, what it computed) for the eval options `o` (the CLI's, by parameter name); `on_progress(what,
+    done, total[, unit])` hears the work done (render.progress shows it)."""
     long = {k: o[k] for k in LONG}
     if any(v not in (None, False) for v in long.values()):
         from rwkvx_cli.evaluation.long_context import run_long_context
 
         others = {"--tasks": o["tasks"], "--generate": o["generate"]}
-        result = run_long_context(checkpoint, o["data_dir"], o["seed"], others, on_skip, force=o["force"], **long)
+        args = (checkpoint, o["data_dir"], o["seed"], others, on_skip, on_progress)
+        result = run_long_context(*args, force=o["force"], **long)
         return result["kind"], result
     if o["tasks"] is None:
         given = [f"--{k.replace('_', '-')}" for k in TASK_ONLY if o[k] is not None]
@@ -34,11 +36,12 @@ def run_eval(checkpoint: Path, *, on_skip=None, **o) -> tuple[str, object]:
 
         sample = {"prompt": o["generate"], "n_tokens": o["tokens"], "temperature": o["temperature"]}
         sample |= {"top_p": o["top_p"], "seed": o["seed"]}
-        return "plain", eval_checkpoint(checkpoint, o["data_dir"], on_skip=on_skip, **sample)
+        return "plain", eval_checkpoint(checkpoint, o["data_dir"], on_skip=on_skip, on_progress=on_progress, **sample)
     if o["generate"] is not None:
         raise UsageError("--generate and --tasks do not go together; run them separately")
     from rwkvx_cli.evaluation.harness import run_tasks
 
     keys = ("limit", "num_fewshot", "include_path", "batch_size", "bootstrap_iters", "seed", "output", "force")
-    scores = run_tasks(checkpoint, o["tasks"], data_dir=o["data_dir"], on_skip=on_skip, **{k: o[k] for k in keys})
+    options = {k: o[k] for k in keys} | {"on_skip": on_skip, "on_progress": on_progress}
+    scores = run_tasks(checkpoint, o["tasks"], data_dir=o["data_dir"], **options)
     return "tasks", scores

@@ -106,10 +106,12 @@ def run_tasks(
     on_skip: Callable[[Path, str], None] | None = None,
     output: Path | None = None,
     force: bool = False,
+    on_progress=None,
 ) -> TaskScores:
     """Evaluate a checkpoint (a checkpoint dir, or a run dir: its newest good one) on lm-eval
     tasks with its run's tokenizer; with `output`, the summary is also written there as JSON (an existing
-    file only with `force`). Bad names and a refused output fail before the weights are read."""
+    file only with `force`). Bad names and a refused output fail before the weights are read.
+    `on_progress(what, done, total, unit)`: the requests our model has answered (adapter.RwkvxLM)."""
     start = time.perf_counter()
     require_lm_eval()
     names = split_names(tasks)
@@ -129,7 +131,7 @@ def run_tasks(
     opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
     mode = opened.runtime.precision
     max_length = opened.config.train.ctx_len
-    lm = RwkvxLM(opened.model, opened.tokenizer, max_length=max_length, batch_size=batch_size, mode=mode)
+    lm = RwkvxLM(opened.model, opened.tokenizer, max_length, batch_size, mode, on_progress=on_progress)
     if limit is not None and limit >= 1 and float(limit).is_integer():
         limit = int(limit)
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")

@@ -8,17 +8,20 @@
   that uses its context has lower loss at later positions; one that cannot go past its training
   window rises there. `against`: a second checkpoint read on the same streams.
 - **Passkey retrieval** (as RWKV-X and landmark attention evaluate it): a random five-digit number
-  in a sentence, "The pass key is 12345. Remember it. 12345 is the pass key.", hidden at a depth
-  (0: the start, 1: the end) of filler text cut from the validation tokens, with the question
-  "What is the pass key? The pass key is" at the end, the whole prompt `length` tokens; the
-  answer is read greedily, as many tokens as the key has, and counts when it starts with the key.
+  (one of KEYS: a guess is right with chance CHANCE, 1 in 90,000) in a sentence, "The pass key is
+  12345. Remember it. 12345 is the pass key.", hidden at a depth (0: the start, 1: the end) of
+  filler text cut from the validation tokens, with the question "What is the pass key? The pass
+  key is" at the end, the whole prompt `length` tokens; the answer is read greedily, as many
+  tokens as the key has, and counts when it starts with the key.
 
 Library code: it returns numbers (and writes no files); the CLI renders them (render.py) and
-plots them (evaluation/plots.py).
+plots them (evaluation/plots.py). `on_progress(what, done, total)` hears the tokens read so far
+(render.progress shows them).
 """
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable
 from pathlib import Path
 
@@ -38,6 +41,8 @@ MAX_STREAMS = 16  # streams read at once, at most
 DEPTHS = (0.0, 0.25, 0.5, 0.75, 1.0)
 NEEDLE = "The pass key is {key}. Remember it. {key} is the pass key.\n"
 QUESTION = "\nWhat is the pass key? The pass key is"
+KEYS = range(10_000, 100_000)  # the keys a prompt hides: every five-digit number, drawn uniformly
+CHANCE = 1 / len(KEYS)  # the accuracy of a guess (no reading of the prompt)
 
 
 def position_buckets(max_len: int) -> list[tuple[int, int]]:
@@ -96,14 +101,16 @@ def streams_of(tokens, max_len: int | None) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.stack(rows)), max_len
 
 
-def loss_by_position(model, streams: torch.Tensor, runtime) -> dict:
+def loss_by_position(model, streams: torch.Tensor, runtime, on_read: Callable[[int], None] | None = None) -> dict:
     """Mean next-token loss per position bucket over `streams` [S, L + 1], each read whole with the
-    state carried (see the module docstring)."""
+    state carried (see the module docstring); `on_read(n)` after each piece: n tokens read so far."""
     S, L = streams.shape[0], streams.shape[1] - 1
     losses = torch.empty(S, L, dtype=torch.float32)
 
     def score(lo, h):
         losses[:, lo : lo + h.shape[1]] = token_losses(model, h, streams[:, lo + 1 : lo + 1 + h.shape[1]], runtime)
+        if on_read is not None:
+            on_read(S * (lo + h.shape[1]))
 
     model.eval()
     read(model, streams[:, :-1], runtime, on_chunk=score)
@@ -121,26 +128,35 @@ def eval_by_position(
     max_len: int | None = None,
     against: Path | None = None,
     on_skip=None,
+    on_progress=None,
 ) -> dict:
     """`rwkvx eval --by-position`: loss_by_position of a checkpoint on its run's validation split (or
-    `data_dir`'s), and of the `against` checkpoint on the same streams."""
+    `data_dir`'s), and of the `against` checkpoint on the same streams; `on_progress("by position",
+    done, total)`: the tokens read of both."""
     opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
     val = open_data(opened.config, opened.checkpoint.run_dir, data_dir, check_train=False).val
     streams, max_len = streams_of(val.tokens, max_len)
-    result = {
-        "max_len": max_len,
-        "streams": streams.shape[0],
-        "tokens": streams.shape[0] * max_len,
-        "runs": [_by_position_of(opened, streams)],
-    }
+    other = None
     if against is not None:
         other = open_checkpoint(against, data_dir=data_dir, on_skip=on_skip)
         _check_same_tokens(opened, other)
-        result["runs"].append(_by_position_of(other, streams))
+    tokens = streams.shape[0] * max_len
+    total = tokens * (2 if other is not None else 1)
+
+    def reads(before: int):
+        return None if on_progress is None else lambda n: on_progress("by position", before + n, total)
+
+    if on_progress is not None:
+        on_progress("by position", 0, total)  # the clock of its rate starts
+
+    result = {"max_len": max_len, "streams": streams.shape[0], "tokens": tokens}
+    result["runs"] = [_by_position_of(opened, streams, reads(0))]
+    if other is not None:
+        result["runs"].append(_by_position_of(other, streams, reads(tokens)))
     return result
 
 
-def _by_position_of(opened, streams) -> dict:
+def _by_position_of(opened, streams, on_read=None) -> dict:
     t = opened.config.train
     return {
         "checkpoint": str(opened.checkpoint.path),
@@ -148,7 +164,7 @@ def _by_position_of(opened, streams) -> dict:
         "ctx_len": t.ctx_len,
         "chunk_len": t.chunk_len,
         "tbptt": t.tbptt,
-        **loss_by_position(opened.model, streams, opened.runtime),
+        **loss_by_position(opened.model, streams, opened.runtime, on_read),
     }
 
 
@@ -197,23 +213,33 @@ def passkey_prompt(tokenizer, filler: np.ndarray, key: str, length: int, depth: 
 
 
 @torch.no_grad()
-def passkey(model, tokenizer, val_tokens, runtime, lengths, depths=DEPTHS, trials: int = 4, seed: int = 0) -> dict:
+def passkey(
+    model, tokenizer, val_tokens, runtime, lengths, depths=DEPTHS, trials: int = 4, seed: int = 0, on_progress=None
+) -> dict:
     """Passkey retrieval accuracy by prompt length and needle depth (see the module docstring). Each
-    (length, depth) runs `trials` prompts, with a key and a filler offset drawn from (seed, length,
-    depth, trial), read as one batch."""
+    (length, depth) runs `trials` prompts, with a key (of KEYS) and a filler offset drawn from (seed,
+    length, depth, trial), read as one batch. `on_progress("passkey", done, total)`: prompt tokens read."""
     tokens = np.asarray(val_tokens)
     model.eval()
     cells = []
+    total, before = sum(lengths) * len(depths) * trials, 0
+    if on_progress is not None:
+        on_progress("passkey", 0, total)  # the clock of its rate starts
     for length in lengths:
         for d, depth in enumerate(depths):
             keys, prompts = [], []
             for trial in range(trials):
                 rng = np.random.default_rng([seed, length, d, trial])
-                key = str(int(rng.integers(10_000, 100_000)))
+                key = str(int(rng.integers(KEYS.start, KEYS.stop)))
                 start = int(rng.integers(0, max(1, len(tokens) - length)))
                 keys.append(key)
                 prompts.append(passkey_prompt(tokenizer, tokens[start:], key, length, depth))
-            answers = _greedy(model, torch.tensor(prompts), max(len(tokenizer.encode(" " + k)) for k in keys), runtime)
+            on_chunk = None
+            if on_progress is not None:
+                on_chunk = functools.partial(_read_so_far, on_progress, before, total, trials)
+            n = max(len(tokenizer.encode(" " + k)) for k in keys)
+            answers = _greedy(model, torch.tensor(prompts), n, runtime, on_chunk=on_chunk)
+            before += trials * length
             got = [tokenizer.decode(a).strip() for a in answers]
             correct = sum(g.startswith(k) for g, k in zip(got, keys, strict=True))
             cells.append(
@@ -226,12 +252,18 @@ def passkey(model, tokenizer, val_tokens, runtime, lengths, depths=DEPTHS, trial
                     "answers": [{"key": k, "got": g} for k, g in zip(keys, got, strict=True)],
                 }
             )
-    return {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed, "cells": cells}
+    figures = {"lengths": list(lengths), "depths": list(depths), "trials": trials, "seed": seed, "chance": CHANCE}
+    return {**figures, "cells": cells}
 
 
-def _greedy(model, prompts: torch.Tensor, n: int, runtime) -> list[list[int]]:
-    """`n` greedy tokens after each row of `prompts` [B, T] (read with the state carried)."""
-    state, h = read(model, prompts, runtime)
+def _read_so_far(on_progress, before: int, total: int, rows: int, lo: int, h) -> None:
+    """read()'s on_chunk for passkey's progress: the tokens of the cells before, and of this one so far."""
+    on_progress("passkey", before + rows * (lo + h.shape[1]), total)
+
+
+def _greedy(model, prompts: torch.Tensor, n: int, runtime, on_chunk: Callable | None = None) -> list[list[int]]:
+    """`n` greedy tokens after each row of `prompts` [B, T] (read with the state carried; on_chunk: see read)."""
+    state, h = read(model, prompts, runtime, on_chunk=on_chunk)
     out = []
     for _ in range(n):
         with runtime.autocast():
@@ -250,12 +282,14 @@ def eval_passkey(
     trials: int = 4,
     seed: int = 0,
     on_skip=None,
+    on_progress=None,
 ) -> dict:
     """`rwkvx eval --passkey LENGTHS`: `passkey` on a checkpoint, filler from its validation split."""
     lengths_, depths_ = parse_lengths(lengths), list(depths or DEPTHS)
     opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
     val = open_data(opened.config, opened.checkpoint.run_dir, data_dir, check_train=False).val
-    result = passkey(opened.model, opened.tokenizer, val.tokens, opened.runtime, lengths_, depths_, trials, seed)
+    model, tokenizer, runtime = opened.model, opened.tokenizer, opened.runtime
+    result = passkey(model, tokenizer, val.tokens, runtime, lengths_, depths_, trials, seed, on_progress)
     t = opened.config.train
     return {"checkpoint": str(opened.checkpoint.path), "step": opened.step, "ctx_len": t.ctx_len, **result}
 
@@ -266,6 +300,7 @@ def run_long_context(
     seed: int,
     others: dict[str, object],
     on_skip=None,
+    on_progress=None,
     *,
     by_position: bool = False,
     max_len: int | None = None,
@@ -278,7 +313,7 @@ def run_long_context(
     """`rwkvx eval --by-position` or `--passkey`, its options checked (`others`: the eval options
     that do not go with them, by flag, None when not given). Returns the figures, with "kind"
     ("by_position" or "passkey") and "plot", where the picture goes (default: in the run directory;
-    an existing --plot file only with `force`)."""
+    an existing --plot file only with `force`). `on_progress`: see eval_by_position and eval_passkey."""
     if by_position and passkey is not None:
         raise UsageError("--by-position and --passkey do not go together; run them separately")
     kind = "by_position" if by_position else "passkey" if passkey is not None else None
@@ -294,9 +329,12 @@ def run_long_context(
     if plot is not None:
         check_output(plot, force, "--plot")  # before the model is read (fsio: the guard of every output file)
     if kind == "by_position":
-        result = eval_by_position(checkpoint, data_dir, max_len=max_len, against=against, on_skip=on_skip)
+        result = eval_by_position(
+            checkpoint, data_dir, max_len=max_len, against=against, on_skip=on_skip, on_progress=on_progress
+        )
     else:
-        result = eval_passkey(checkpoint, passkey, data_dir, trials=trials or 4, seed=seed, on_skip=on_skip)
+        options = dict(trials=trials or 4, seed=seed, on_skip=on_skip, on_progress=on_progress)
+        result = eval_passkey(checkpoint, passkey, data_dir, **options)
     run_dir = Path(result["runs"][0]["checkpoint"] if kind == "by_position" else result["checkpoint"]).parent.parent
     name = "by-position.png" if kind == "by_position" else "passkey.png"
     return {"kind": kind, **result, "plot": str(plot if plot is not None else run_dir / name)}

@@ -19,14 +19,29 @@ from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
 from rwkvx_cli.runs.runtime import Runtime
 
+Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's progress (render.progress)
+
 
 @torch.no_grad()
-def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, tokenizer, runtime: Runtime) -> dict:
+def evaluate(
+    model: LM,
+    tokens,
+    ctx_len: int,
+    batch: int,
+    max_tokens: int,
+    tokenizer,
+    runtime: Runtime,
+    on_progress: Progress | None = None,
+) -> dict:
     """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
     bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
-    on `runtime`'s device under its precision, as training does."""
+    on `runtime`'s device under its precision, as training does. `on_progress("validation", done,
+    total)` after each batch: the tokens predicted of those it will predict."""
     model.eval()
     total, count = 0.0, 0
+    planned = max(0, min(max_tokens, len(tokens) - 1))  # about: the last batch may go past max_tokens
+    if on_progress is not None:
+        on_progress("validation", 0, planned)  # the clock of its rate starts
     xs, ys = [], []
 
     def flush():
@@ -38,6 +53,8 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, token
         count += y.numel()
         xs.clear()
         ys.clear()
+        if on_progress is not None:
+            on_progress("validation", min(count, planned), planned)
 
     for x, y in sequential_windows(tokens, ctx_len):
         if xs and x.shape[1] != xs[0].shape[0]:
@@ -50,6 +67,8 @@ def evaluate(model: LM, tokens, ctx_len: int, batch: int, max_tokens: int, token
             break
     if xs:
         flush()
+    if on_progress is not None and 0 < count < planned:
+        on_progress("validation", count, count)  # done: the windows ended before the estimate
     model.train()
     loss = total / max(count, 1)
     n_bytes = len(tokenizer.decode(np.asarray(tokens[1 : count + 1]).tolist()).encode("utf-8"))
@@ -71,10 +90,12 @@ def eval_checkpoint(
     top_p: float = 0.85,
     seed: int = 0,
     on_skip: Callable[[Path, str], None] | None = None,
+    on_progress: Progress | None = None,
 ) -> dict:
     """`rwkvx eval`: the validation figures of a checkpoint (a checkpoint dir, or a run dir: its
     newest good one) on its run's validation split (or `data_dir`'s), under the run's train.precision
-    (fp32 where this device cannot run it); with `prompt`, also a sampled continuation."""
+    (fp32 where this device cannot run it); with `prompt`, also a sampled continuation. `on_progress`:
+    see `evaluate`; then ("generating", done, n_tokens), in "tokens" as all of them."""
     if prompt is not None:
         try:
             prompt.encode("utf-8")
@@ -84,12 +105,20 @@ def eval_checkpoint(
     cfg, t = opened.config, opened.config.train
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
     start = time.perf_counter()
-    ev = evaluate(opened.model, val.tokens, t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
+    figures = (t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
+    ev = evaluate(opened.model, val.tokens, *figures, on_progress=on_progress)
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = opened.step
     ev["checkpoint"] = str(opened.checkpoint.path)
     if prompt is not None:
         tok = opened.tokenizer
-        ids = generate(opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size)
+        on_token = None
+        if on_progress is not None:
+
+            def on_token(done: int) -> None:
+                on_progress("generating", done, n_tokens)
+
+            on_token(0)
+        ids = generate(opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size, on_token)
         ev["sample"] = prompt + opened.tokenizer.decode(ids)
     return ev

@@ -22,10 +22,17 @@ def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: tor
 
 @torch.no_grad()
 def generate(
-    model: LM, prompt: list[int], n_tokens: int, temperature=1.0, top_p=0.9, seed=0, vocab_size: int | None = None
+    model: LM,
+    prompt: list[int],
+    n_tokens: int,
+    temperature=1.0,
+    top_p=0.9,
+    seed=0,
+    vocab_size: int | None = None,
+    on_token=None,
 ) -> list[int]:
     """`n_tokens` ids sampled after `prompt`; only ids below `vocab_size` (the tokenizer's, where the
-    model's vocabulary is larger: its extra rows are never decodable)."""
+    model's vocabulary is larger: its extra rows are never decodable). `on_token(n)`: n ids so far."""
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -39,5 +46,7 @@ def generate(
     for _ in range(n_tokens):
         nxt = pick(logits[0, -1])
         out.append(nxt)
+        if on_token is not None:
+            on_token(len(out))
         logits, state = model(torch.tensor([[nxt]], device=device), state)
     return out

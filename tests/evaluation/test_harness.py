@@ -4,6 +4,7 @@ checked against log-softmax computed here on the same token ids."""
 import builtins
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -211,6 +212,9 @@ def test_tasks_through_the_cli_match_direct_loglikelihoods(run, tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert "tiny_mc" in result.stdout and "acc" in result.stdout
+    for what in ("scoring", "scoring documents"):  # piped: our model's progress, a plain line on stderr
+        assert re.search(rf"^{what} (\d+)/\1 requests \(100%\)", result.stderr, re.M), result.stderr
+    assert "scoring" not in result.stdout
     summary = json.loads(out.read_text())
     assert summary["step"] == 1
     res = summary["results"]

@@ -93,7 +93,7 @@ def test_an_answer_counts_when_it_starts_with_the_key(monkeypatch):
     tok = ByteTokenizer()
     calls = []
 
-    def answers(model, prompts, n, runtime):
+    def answers(model, prompts, n, runtime, on_chunk=None):
         calls.append(prompts.shape)
         texts = []
         for row in prompts.tolist():
@@ -144,6 +144,8 @@ def test_eval_by_position_through_the_cli(run, tmp_path):
     a, b = figures["runs"]
     assert [x["loss"] for x in a["buckets"]] == [x["loss"] for x in b["buckets"]]  # the same checkpoint twice
     assert sum(x["tokens"] for x in a["buckets"]) == figures["tokens"] == 256 * figures["streams"]
+    read = 2 * figures["tokens"]  # both checkpoints: piped, progress is a plain line on stderr
+    assert f"by position {read:,}/{read:,} tokens (100%)" in result.stderr and "by position" not in result.stdout
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     table = runner.invoke(app, ["eval", "--checkpoint", str(run), "--by-position", "--max-len", "64"])
     assert table.exit_code == 0 and "32-64" in table.stdout and (run / "by-position.png").is_file()
@@ -155,6 +157,8 @@ def test_eval_passkey_through_the_cli(run):
     figures = json.loads(result.stdout)
     assert figures["lengths"] == [128, 256] and len(figures["cells"]) == 2 * len(lc.DEPTHS)
     assert all(c["trials"] == 2 and 0 <= c["correct"] <= 2 for c in figures["cells"])
+    read = (128 + 256) * len(lc.DEPTHS) * 2  # the prompt tokens: piped, progress is a plain line on stderr
+    assert f"passkey {read:,}/{read:,} tokens (100%)" in result.stderr and "passkey " not in result.stdout
     assert (run / "passkey.png").read_bytes()[:4] == b"\x89PNG"
 
 
