@@ -59,6 +59,9 @@ LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
 # train.precision (train/precision.py): auto = bf16-mixed on CUDA, fp32 on the CPU.
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
 
+# RWKV-LM's ln_x (GroupNorm) eps: model.ln_x_eps's default.
+LN_X_EPS = 64e-5
+
 
 @dataclass
 class ModelConfig:
@@ -88,6 +91,9 @@ class ModelConfig:
     # docs/model.md#fused-blocks): the same parameters and math in fewer, fused kernels. False: the
     # plain torch composition, which the fused ops' references are (and `rwkvx explain` reads).
     fused: bool = True
+    # The eps of the per-head group norm (`ln_x`) of RWKV-7 and rwkv8 blocks: RWKV-LM's 64e-5 by default;
+    # a model imported from HF (fla) gets its head_dim x norm_eps (docs/formats.md: the eps rule).
+    ln_x_eps: float = LN_X_EPS
 
 
 def expand_layers(spec: list[str]) -> list[str]:
@@ -245,6 +251,7 @@ class Config:
             (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
             (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
+            (math.isfinite(m.ln_x_eps) and m.ln_x_eps > 0, "model.ln_x_eps", "must be a finite number > 0"),
             (min(m.lora_w, m.lora_a, m.lora_v, m.lora_g) >= 0, "model.lora_w", "the lora_* ranks must be >= 0"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),

@@ -42,6 +42,9 @@ def test_defaults_and_dotted_overrides(tmp_path):
         ("train.betas=[0.9]", "train.betas: expected 2 values, got 1"),
         ("model=3", "model: expected a mapping"),
         ("novalue", "must look like section.key=value"),
+        ("model.ln_x_eps=0", "model.ln_x_eps: must be a finite number > 0"),
+        ("model.ln_x_eps=-1e-5", "model.ln_x_eps: must be a finite number > 0"),
+        ("model.ln_x_eps=.inf", "model.ln_x_eps: expected a finite number"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
