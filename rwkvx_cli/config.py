@@ -455,6 +455,43 @@ def _expand_home(cfg: Config) -> None:
         src.path = home(src.path)
 
 
+# data.tokenizer's names (data/tokenizer.py); any other value is a tokenizer.json path.
+TOKENIZER_NAMES = ("byte", "bpe", "world")
+
+
+def _names_a_file(tokenizer: str) -> bool:
+    """data.tokenizer is a tokenizer.json path, not a name: a file, or spelt as a path."""
+    if tokenizer in TOKENIZER_NAMES or not tokenizer:
+        return False
+    return "/" in tokenizer or os.sep in tokenizer or tokenizer.endswith(".json") or os.path.exists(tokenizer)
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """Every path-valued setting made absolute (in place, against the current directory; `..` folded,
+    links kept as named, so the run directory's own checks see a link as given), so that a run's saved
+    config.yaml and checkpoints name the same files from any directory: run_dir, data.corpus,
+    data.tokenizer (a tokenizer.json), data.prepared_dir, data.binidx, data.val_binidx,
+    data.mix[].path and train.init_from. These stay: empty values ("": the default place), tokenizer
+    names (and a bare word that names no file: a misspelt name, which its error then shows as written),
+    an unused data.corpus (beside data.binidx or data.mix it stays the default, which validation reads
+    as not given); globs keep their pattern."""
+    d, t = cfg.data, cfg.train
+
+    def full(p: str) -> str:
+        return os.path.abspath(os.path.expanduser(p)) if p else p
+
+    cfg.run_dir = full(cfg.run_dir)
+    if not (d.binidx or d.mix is not None):
+        d.corpus = [full(p) for p in d.corpus]
+    if _names_a_file(d.tokenizer):
+        d.tokenizer = full(d.tokenizer)
+    d.prepared_dir, d.binidx, d.val_binidx = full(d.prepared_dir), full(d.binidx), full(d.val_binidx)
+    for src in d.mix or []:
+        src.path = full(src.path)
+    t.init_from = full(t.init_from)
+    return cfg
+
+
 def config_from_dict(data: dict) -> Config:
     cfg = _build(Config, data)
     _expand_home(cfg)

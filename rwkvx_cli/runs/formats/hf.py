@@ -236,6 +236,7 @@ def sizes_from_hf_config(config: dict, where: str = "config.json") -> dict[str, 
     head = get("head_dim") or (C // get("num_heads") if get("num_heads") else None)
     eps = float(get("norm_eps", 1e-5))
     need(math.isclose(eps, LN_EPS, rel_tol=1e-9), f"norm_eps {eps} (rwkvx's LayerNorms use {LN_EPS})")
+    need(head is not None, "head_dim / num_heads missing")
     need(isinstance(head, int) and head > 0 and C % head == 0, f"head_dim {head} does not divide hidden_size {C}")
     need(get("hidden_act", "sqrelu") == "sqrelu", f"hidden_act {get('hidden_act')!r} (rwkvx's channel mix is sqrelu)")
     need(get("norm_first", True) is True, "norm_first is false: rwkvx always normalises the embedding (ln0)")
