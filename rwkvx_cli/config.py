@@ -59,6 +59,9 @@ LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
 # train.precision (train/precision.py): auto = bf16-mixed on CUDA, fp32 on the CPU.
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
 
+# RWKV-LM's ln_x (GroupNorm) eps: model.ln_x_eps's default.
+LN_X_EPS = 64e-5
+
 
 @dataclass
 class ModelConfig:
@@ -88,6 +91,9 @@ class ModelConfig:
     # docs/model.md#fused-blocks): the same parameters and math in fewer, fused kernels. False: the
     # plain torch composition, which the fused ops' references are (and `rwkvx explain` reads).
     fused: bool = True
+    # The eps of the per-head group norm (`ln_x`) of RWKV-7 and rwkv8 blocks: RWKV-LM's 64e-5 by default;
+    # a model imported from HF (fla) gets its head_dim x norm_eps (docs/formats.md: the eps rule).
+    ln_x_eps: float = LN_X_EPS
 
 
 def expand_layers(spec: list[str]) -> list[str]:
@@ -245,6 +251,7 @@ class Config:
             (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
             (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
+            (math.isfinite(m.ln_x_eps) and m.ln_x_eps > 0, "model.ln_x_eps", "must be a finite number > 0"),
             (min(m.lora_w, m.lora_a, m.lora_v, m.lora_g) >= 0, "model.lora_w", "the lora_* ranks must be >= 0"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
@@ -446,6 +453,43 @@ def _expand_home(cfg: Config) -> None:
     cfg.train.init_from = home(cfg.train.init_from)
     for src in d.mix or []:
         src.path = home(src.path)
+
+
+# data.tokenizer's names (data/tokenizer.py); any other value is a tokenizer.json path.
+TOKENIZER_NAMES = ("byte", "bpe", "world")
+
+
+def _names_a_file(tokenizer: str) -> bool:
+    """data.tokenizer is a tokenizer.json path, not a name: a file, or spelt as a path."""
+    if tokenizer in TOKENIZER_NAMES or not tokenizer:
+        return False
+    return "/" in tokenizer or os.sep in tokenizer or tokenizer.endswith(".json") or os.path.exists(tokenizer)
+
+
+def resolve_paths(cfg: Config) -> Config:
+    """Every path-valued setting made absolute (in place, against the current directory; `..` folded,
+    links kept as named, so the run directory's own checks see a link as given), so that a run's saved
+    config.yaml and checkpoints name the same files from any directory: run_dir, data.corpus,
+    data.tokenizer (a tokenizer.json), data.prepared_dir, data.binidx, data.val_binidx,
+    data.mix[].path and train.init_from. These stay: empty values ("": the default place), tokenizer
+    names (and a bare word that names no file: a misspelt name, which its error then shows as written),
+    an unused data.corpus (beside data.binidx or data.mix it stays the default, which validation reads
+    as not given); globs keep their pattern."""
+    d, t = cfg.data, cfg.train
+
+    def full(p: str) -> str:
+        return os.path.abspath(os.path.expanduser(p)) if p else p
+
+    cfg.run_dir = full(cfg.run_dir)
+    if not (d.binidx or d.mix is not None):
+        d.corpus = [full(p) for p in d.corpus]
+    if _names_a_file(d.tokenizer):
+        d.tokenizer = full(d.tokenizer)
+    d.prepared_dir, d.binidx, d.val_binidx = full(d.prepared_dir), full(d.binidx), full(d.val_binidx)
+    for src in d.mix or []:
+        src.path = full(src.path)
+    t.init_from = full(t.init_from)
+    return cfg
 
 
 def config_from_dict(data: dict) -> Config:

@@ -1,4 +1,5 @@
 import dataclasses
+import os
 from pathlib import Path
 
 import pytest
@@ -42,6 +43,9 @@ def test_defaults_and_dotted_overrides(tmp_path):
         ("train.betas=[0.9]", "train.betas: expected 2 values, got 1"),
         ("model=3", "model: expected a mapping"),
         ("novalue", "must look like section.key=value"),
+        ("model.ln_x_eps=0", "model.ln_x_eps: must be a finite number > 0"),
+        ("model.ln_x_eps=-1e-5", "model.ln_x_eps: must be a finite number > 0"),
+        ("model.ln_x_eps=.inf", "model.ln_x_eps: expected a finite number"),
     ],
 )
 def test_bad_values_name_the_field(override, message):
@@ -172,3 +176,21 @@ def test_fuzz_random_and_truncated_files(tmp_path, raw, cut):
     for content in (raw, shipped[:cut], shipped[:cut] + raw):
         path.write_bytes(content)
         _load_or_config_error(lambda: load_config(path))
+
+
+def test_resolve_paths_makes_every_path_absolute_and_keeps_names_and_links(tmp_path, monkeypatch):
+    from rwkvx_cli.config import resolve_paths
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "link").symlink_to(tmp_path / "nowhere")
+    cfg = resolve_paths(load_config(None, ["run_dir=link", "data.corpus=[a.txt, 'd/*.jsonl']", "data.tokenizer=t.json",
+                                           "data.prepared_dir=p/../q", "train.init_from=~/w.pth"]))  # fmt: skip
+    assert cfg.run_dir == str(tmp_path / "link")  # the link as named: the run directory checks refuse it
+    assert cfg.data.corpus == [str(tmp_path / "a.txt"), str(tmp_path / "d" / "*.jsonl")]
+    assert (cfg.data.tokenizer, cfg.data.prepared_dir) == (str(tmp_path / "t.json"), str(tmp_path / "q"))
+    assert cfg.train.init_from == os.path.expanduser("~/w.pth") and (cfg.data.binidx, cfg.data.val_binidx) == ("", "")
+    for name in ("world", "wrold"):  # a name, and a misspelt one (its error names it as written)
+        assert resolve_paths(load_config(None, [f"data.tokenizer={name}"])).data.tokenizer == name
+    mixed = resolve_paths(load_config(None, ["data.mix=[{path: m, weight: 1}]", "data.tokenizer=byte"]))
+    assert mixed.data.mix[0].path == str(tmp_path / "m") and mixed.data.corpus == ["data/tinyshakespeare.txt"]
+    mixed.validate(mixed.written)  # the unused corpus stays the default: still one source of data

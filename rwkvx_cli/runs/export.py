@@ -9,12 +9,15 @@
 
 Every format reads the checkpoint tensor by tensor and writes a temporary file or directory that
 is renamed into place. Weights a reader would get wrong are refused unless `force`: non-finite
-values, and values the chosen dtype turns into inf (an fp16 export of |x| > 65504).
+values, values the chosen dtype turns into inf (an fp16 export of |x| > 65504), and a model whose
+`model.ln_x_eps` is not RWKV-LM's 64e-5 in a `.pth` format (rwkv-lm, rwkv-x), which holds no config:
+its readers would normalise with 64e-5. (hf carries the eps in config.json; safetensors the config.)
 """
 
 from __future__ import annotations
 
 import json
+import math
 import os
 from pathlib import Path
 
@@ -22,6 +25,7 @@ import torch
 from safetensors import SafetensorError
 from safetensors.torch import save_file
 
+from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
@@ -52,8 +56,9 @@ def export_checkpoint(
     other = sorted(set(layer_kinds(ckpt.config.model)) - {"rwkv7"})
     if fmt in ("rwkv-lm", "hf") and other:
         raise RwkvxError(f"the {fmt} format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
+    eps_warnings = eps_problem(ckpt.config.model, fmt, force)
     with open_tensors(ckpt.path / "model.safetensors") as source:  # verified by find_checkpoint
-        warnings = value_problems(source, DTYPES[dtype], str(ckpt.path), force)
+        warnings = eps_warnings + value_problems(source, DTYPES[dtype], str(ckpt.path), force)
         if fmt == "hf":
             info = export_hf(source, out, cfg=ckpt.config.model, dtype=dtype, tokenizer=_tokenizer(ckpt), force=force)
         elif fmt == "rwkv-x":
@@ -61,6 +66,20 @@ def export_checkpoint(
         else:
             info = _write_file(source, out, fmt, DTYPES[dtype], ckpt.meta)
     return {**info, "checkpoint": str(ckpt.path), "step": ckpt.step, "warnings": warnings}
+
+
+def eps_problem(model: ModelConfig, fmt: str, force: bool) -> list[str]:
+    """A `.pth` format has no config, and its readers (RWKV-LM, the rwkv and rwkv-x packages) use
+    RWKV-LM's ln_x eps: another model.ln_x_eps is refused (RwkvxError) unless `force`, then a warning."""
+    if fmt not in ("rwkv-lm", "rwkv-x") or math.isclose(model.ln_x_eps, LN_X_EPS, rel_tol=1e-9):
+        return []
+    line = (
+        f"model.ln_x_eps is {model.ln_x_eps:g}, but the {fmt} .pth holds no config and its readers use RWKV-LM's "
+        f"{LN_X_EPS:g}, so they would compute other logits"
+    )
+    if not force:
+        raise RwkvxError(f"{line}; export --format hf or safetensors to keep it, or pass --force to export anyway")
+    return [line]
 
 
 def value_problems(source: TensorSource, dtype: torch.dtype, where: str, force: bool) -> list[str]:

@@ -78,7 +78,7 @@ def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tenso
 def sizes_from(saved: ModelConfig, cfg: Config) -> ModelConfig:
     """The model of a run resumed after it started from train.init_from: the sizes its checkpoints
     have (the weights gave them), where the config does not write its own."""
-    keys = (*SIZE_KEYS, *LORA_FIELDS)
+    keys = (*SIZE_KEYS, *LORA_FIELDS, "ln_x_eps")  # ln_x_eps: an HF file's (runs/formats/hf.py)
     kept = {k: getattr(saved, k) for k in keys if f"model.{k}" not in cfg.written and hasattr(saved, k)}
     return dataclasses.replace(cfg.model, **kept)
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 import yaml
 
-from rwkvx_cli.config import Config, ConfigError, config_from_dict, config_to_dict
+from rwkvx_cli.config import Config, ConfigError, config_from_dict, config_to_dict, resolve_paths
 from rwkvx_cli.data import PrepareStats
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, check_writable_dir, claim_dir
@@ -85,7 +85,9 @@ def init_run(
     on_prepared: Callable[[PrepareStats], None] | None = None,
 ) -> dict:
     """Write a new run directory (config, tokenizer, prepared data, step-0 checkpoint) without
-    training; returns the model summary. Refuses a directory that already holds checkpoints."""
+    training; returns the model summary. Refuses a directory that already holds checkpoints.
+    `cfg`'s paths are made absolute first (config.resolve_paths): the run works from any directory."""
+    resolve_paths(cfg)
     run_dir = Path(cfg.run_dir)
     start = _start_from(cfg)
     check_model(cfg.model)
@@ -181,7 +183,10 @@ def run_training(
     """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
     preparation and yields its progress callback (done, total). A resume refuses settings that
-    differ from its checkpoint's, but for those in `allow_change` (train/checkpointer.py)."""
+    differ from its checkpoint's, but for those in `allow_change` (train/checkpointer.py). `cfg`'s
+    paths are made absolute first (config.resolve_paths), so the run's saved config names the same
+    files from any directory, and a relative path given again from the run's first directory is no change."""
+    resolve_paths(cfg)
     check_loggers(cfg.train.loggers)  # a missing tensorboard or wandb: the pip command, before anything runs
     # Resolved once, for the whole run: a device or precision this machine lacks is refused here.
     runtime = rt.resolve(cfg.train.device, cfg.train.precision, local_rank=dist.local_rank)
@@ -196,10 +201,11 @@ def run_training(
 
 
 def _saved_config(run_dir: Path) -> Config | None:
-    """The config of the run's newest readable checkpoint (None: none yet)."""
+    """The config of the run's newest readable checkpoint (None: none yet), its paths absolute: a run
+    saved before they were keeps its relative ones, which name files from the current directory."""
     for path in reversed(store.list_checkpoints(checkpoints_dir(run_dir))):
         try:
-            return config_from_dict(store.read_meta(path)["config"])
+            return resolve_paths(config_from_dict(store.read_meta(path)["config"]))
         except (store.CheckpointError, ConfigError):
             continue  # damaged: resume reports it and falls back
     return None

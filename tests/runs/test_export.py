@@ -95,3 +95,50 @@ def test_ctrl_c_outside_training_is_one_line_and_exit_130(trained_like_run, tmp_
     result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(tmp_path / "m.pth")])
     assert result.exit_code == 130 and result.stderr.strip() == "interrupted"
     assert "Traceback" not in result.output
+
+
+def export(run, fmt, out, *more):
+    return runner.invoke(app, ["export", "--checkpoint", str(run), "--format", fmt, "--out", str(out), *more])
+
+
+def test_a_pth_export_refuses_a_group_norm_eps_its_readers_do_not_use(tmp_path):
+    """RWKV-LM's and RWKV-X's .pth hold no config and their readers use ln_x eps 64e-5: a model with
+    another model.ln_x_eps is refused in one line (--force: exported, with a warning); hf and
+    safetensors carry it."""
+    cfg = Config(model=ModelConfig(vocab_size=97, n_layer=1, n_embd=64, head_size=64, ln_x_eps=1e-3))
+    meta = {"config": config_to_dict(cfg)}
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(cfg.model, 0), None, meta, 3)
+    for fmt in ("rwkv-lm", "rwkv-x"):
+        out = tmp_path / f"{fmt}.pth"
+        result = export(tmp_path / "run", fmt, out)
+        assert result.exit_code == 1 and not out.exists(), result.output
+        line = result.stderr.strip()
+        assert "\n" not in line and "Traceback" not in result.output
+        assert f"model.ln_x_eps is 0.001, but the {fmt} .pth holds no config" in line and "--force" in line
+        result = export(tmp_path / "run", fmt, out, "--force")
+        assert result.exit_code == 0 and out.is_file(), result.output
+        assert "exported anyway (--force): model.ln_x_eps is 0.001" in result.stderr
+    out = tmp_path / "model.safetensors"
+    result = export(tmp_path / "run", "safetensors", out)
+    assert result.exit_code == 0, result.output
+    from rwkvx_cli.runs.formats import open_any
+
+    source, sizes = open_any(out)
+    source.close()
+    assert sizes.ln_x_eps == 1e-3  # the safetensors export's config, read back by train.init_from
+
+
+def test_a_checkpoint_from_before_ln_x_eps_loads_with_the_default(tmp_path):
+    from rwkvx_cli.runs.formats import open_any
+    from rwkvx_cli.runs.opening import find_checkpoint
+
+    cfg = Config(model=ModelConfig(vocab_size=97, n_layer=1, n_embd=64, head_size=64))
+    old = config_to_dict(cfg)
+    del old["model"]["ln_x_eps"]
+    save_checkpoint(tmp_path / "run" / "checkpoints", 1, build_model(cfg.model, 0), None, {"config": old}, 3)
+    assert find_checkpoint(tmp_path / "run").config.model.ln_x_eps == 64e-5
+    source, sizes = open_any(tmp_path / "run")
+    source.close()
+    assert sizes.ln_x_eps is None  # the config's own (the default) stays
+    result = export(tmp_path / "run", "rwkv-lm", tmp_path / "m.pth")
+    assert result.exit_code == 0, result.output

@@ -107,3 +107,42 @@ def test_the_continue_config_takes_its_sizes_from_a_released_style_pth(tmp_path,
     assert result.exit_code == 0, result.output
     cfg = find_checkpoint(run).config
     assert (cfg.model.vocab_size, cfg.model.n_layer, cfg.model.n_embd, cfg.data.tokenizer) == (65536, 1, 64, "world")
+
+
+
+def test_an_hf_model_of_head_size_32_keeps_its_group_norm_eps_through_init_resume_and_export(tmp_path, corpus):
+    """fla's g_norm eps is head_dim x norm_eps: an HF directory of head size 32 comes in with
+    model.ln_x_eps 32e-5, which the run's config.yaml and checkpoint keep, a resume with the same
+    train.init_from keeps (its config does not write it), a run started from that run inherits, and
+    the hf export writes back as norm_eps 1e-5."""
+    import json
+
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.runs.formats import export_hf
+    from rwkvx_cli.runs.initial import sizes_from
+    from rwkvx_cli.train.checkpointer import resume_changes
+
+    cfg = ModelConfig(vocab_size=257, n_layer=2, n_embd=64, head_size=32, ln_x_eps=32e-5)
+    export_hf(build_model(cfg, 1).state_dict(), tmp_path / "hf", cfg=cfg)
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", f"data.prepared_dir={tmp_path / 'data'}"]
+    args += ["train.ctx_len=32", "train.micro_batch=4"]
+    result = invoke("init", *args, "--from", tmp_path / "hf")
+    assert result.exit_code == 0, result.output
+    saved = find_checkpoint(run).config
+    assert saved.model.ln_x_eps == pytest.approx(32e-5, rel=1e-12)
+    assert load_config(run / "config.yaml").model.ln_x_eps == saved.model.ln_x_eps
+    # `train --resume` with the same config and init_from: the sizes (and eps) the weights gave are kept.
+    again = load_config(None, [*args, f"train.init_from={saved.train.init_from}"])
+    again.model = sizes_from(saved.model, again)
+    assert again.model.ln_x_eps == saved.model.ln_x_eps and resume_changes(saved, again) == {}
+
+    child = tmp_path / "child"
+    result = invoke("init", *[a.replace(str(run), str(child)) for a in args], "--from", run)
+    assert result.exit_code == 0, result.output
+    assert find_checkpoint(child).config.model.ln_x_eps == pytest.approx(32e-5, rel=1e-12)
+    result = invoke("export", "--checkpoint", run, "--format", "hf", "--out", tmp_path / "out")
+    assert result.exit_code == 0, result.output
+    stated = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert (stated["head_dim"], stated["norm_eps"]) == (32, pytest.approx(1e-5, rel=1e-12))

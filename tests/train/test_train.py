@@ -3,6 +3,7 @@
 import json
 
 import pytest
+import torch
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
@@ -245,3 +246,42 @@ def test_graceful_stop_records_the_signal_and_restores_the_handlers():
             signal.raise_signal(sig)
             assert stop.requested
         assert {s: signal.getsignal(s) for s in before} == before
+
+
+def test_a_run_made_with_relative_paths_resumes_from_another_directory(tmp_path, corpus, monkeypatch):
+    """The saved config names its files absolutely: `train -c RUN/config.yaml --resume` from elsewhere
+    reads the same corpus, tokenizer file, prepared data and init_from weights, into the same run; and
+    the same relative paths given again from the first directory are no change."""
+    import yaml
+
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.data import ByteTokenizer
+    from rwkvx_cli.models import build_model
+
+    first, other = tmp_path.resolve() / "first", tmp_path.resolve() / "other"
+    first.mkdir(), other.mkdir()
+    (first / "text.txt").write_text(corpus.read_text())
+    ByteTokenizer().save(first / "tok.json")
+    weights = build_model(ModelConfig(vocab_size=257, n_layer=1, n_embd=32, head_size=16), 0).state_dict()
+    torch.save(weights, first / "w.pth")
+    args = ["run_dir=run", "data.corpus=[text.txt]", "data.tokenizer=tok.json", "data.prepared_dir=prep"]
+    args += ["train.ctx_len=16", "train.micro_batch=2", "train.tokens=64", "train.eval_tokens=64", "train.loggers=[]"]
+    monkeypatch.setattr("rwkvx_cli.train.runner.SAMPLE_TOKENS", 4)  # the closing sample is not what is tested
+    monkeypatch.chdir(first)
+    result = runner.invoke(app, ["init", *args, "--from", "w.pth"])
+    assert result.exit_code == 0, result.output
+    saved = yaml.safe_load((first / "run" / "config.yaml").read_text())
+    assert saved["run_dir"] == str(first / "run") and saved["data"]["corpus"] == [str(first / "text.txt")]
+    assert saved["data"]["tokenizer"] == str(first / "tok.json")
+    assert saved["data"]["prepared_dir"] == str(first / "prep")
+    assert saved["train"]["init_from"] == str(first / "w.pth")
+
+    monkeypatch.chdir(other)
+    result = runner.invoke(app, ["train", "-c", "../first/run/config.yaml", "--resume"])
+    assert result.exit_code == 0, result.output
+    assert list(other.iterdir()) == [] and (first / "run" / "checkpoints" / "step_00000002").is_dir()
+
+    monkeypatch.chdir(first)  # the same relative paths again: the same settings, nothing to do
+    result = runner.invoke(app, ["train", *args, "train.init_from=w.pth", "--resume"])
+    assert result.exit_code == 0, result.output
+    assert "changed" not in result.output

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.models.layers.common import PLAIN, Graph, State, add_linear, depth_ratios, orthogonal_, shifted
 from rwkvx_cli.ops import rwkv7_out, rwkv7_prep, shift_mix, wkv7
 
@@ -31,8 +31,16 @@ class RWKV7TimeMix(nn.Module):
 
     letter = "R"  # its letter in the model summary's block string
 
-    def __init__(self, C: int, head_size: int, layer_id: int, ranks: tuple[int, int, int, int] = (0, 0, 0, 0)):
-        """`ranks`: the low-rank sizes of w, a, v and g (0: RWKV-LM's rule from C, `lora_rank`)."""
+    def __init__(
+        self,
+        C: int,
+        head_size: int,
+        layer_id: int,
+        ranks: tuple[int, int, int, int] = (0, 0, 0, 0),
+        ln_x_eps: float = LN_X_EPS,
+    ):
+        """`ranks`: the low-rank sizes of w, a, v and g (0: RWKV-LM's rule from C, `lora_rank`);
+        `ln_x_eps`: the eps of the heads' group norm (model.ln_x_eps)."""
         super().__init__()
         self.layer_id, self.head_size, self.n_head = layer_id, head_size, C // head_size
         H, N = self.n_head, head_size
@@ -47,7 +55,7 @@ class RWKV7TimeMix(nn.Module):
         self.key = nn.Linear(C, C, bias=False)
         self.value = nn.Linear(C, C, bias=False)
         self.output = nn.Linear(C, C, bias=False)
-        self.ln_x = nn.GroupNorm(H, C, eps=64e-5)
+        self.ln_x = nn.GroupNorm(H, C, eps=ln_x_eps)
         if layer_id == 0:
             # The first layer sets v_first instead of mixing it in: its value-residual weights stay in
             # the state dict (RWKV-LM's layout, for export and import) but are never used, so they are
@@ -58,7 +66,8 @@ class RWKV7TimeMix(nn.Module):
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_id: int) -> RWKV7TimeMix:
-        return cls(cfg.n_embd, cfg.head_size, layer_id, (cfg.lora_w, cfg.lora_a, cfg.lora_v, cfg.lora_g))
+        ranks = (cfg.lora_w, cfg.lora_a, cfg.lora_v, cfg.lora_g)
+        return cls(cfg.n_embd, cfg.head_size, layer_id, ranks, ln_x_eps=cfg.ln_x_eps)
 
     def op_dims(self) -> tuple[str, dict[str, int]]:
         """The recurrence op and its dims for one token (FLOP counts)."""

@@ -8,7 +8,7 @@ import math
 import torch
 from torch import nn
 
-from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_, upcast
 from rwkvx_cli.ops import rwkv8
 
@@ -21,7 +21,7 @@ class RWKV8Mix(nn.Module):
 
     letter = "8"  # its letter in the model summary's block string
 
-    def __init__(self, C: int, head_size: int, shared_value: bool):
+    def __init__(self, C: int, head_size: int, shared_value: bool, ln_x_eps: float = LN_X_EPS):
         super().__init__()
         self.n_head, self.head_size, self.shared_value = C // head_size, head_size, shared_value
         H, L = self.n_head, head_size
@@ -30,12 +30,12 @@ class RWKV8Mix(nn.Module):
             self.value = nn.Linear(C, C, bias=False)
         self.E = C if shared_value else head_size
         self.decay_logit = nn.Parameter(torch.zeros(H, L))
-        self.ln_x = nn.GroupNorm(H, H * self.E, eps=64e-5)
+        self.ln_x = nn.GroupNorm(H, H * self.E, eps=ln_x_eps)
         self.output = nn.Linear(H * self.E, C, bias=False)
 
     @classmethod
     def from_config(cls, cfg: ModelConfig, layer_id: int) -> RWKV8Mix:
-        return cls(cfg.n_embd, cfg.head_size, shared_value=cfg.rwkv8_shared_value)
+        return cls(cfg.n_embd, cfg.head_size, shared_value=cfg.rwkv8_shared_value, ln_x_eps=cfg.ln_x_eps)
 
     def op_dims(self) -> tuple[str, dict[str, int]]:
         return "rwkv8", {"B": 1, "T": 1, "H": self.n_head, "N": self.head_size, "E": self.E}

@@ -38,7 +38,40 @@ def _open(path, need_sizes: bool) -> tuple[TensorSource, Sizes | None]:
         from rwkvx_cli.runs.formats.tensors import MappedSource
 
         base = MappedSource(base, from_hf_rules(base.shapes()))
-    return base, infer_sizes(base.shapes()) if need_sizes else None
+    if not need_sizes:
+        return base, None
+    sizes = infer_sizes(base.shapes())
+    if layout == "rwkvx":
+        sizes.ln_x_eps = _rwkvx_ln_x_eps(base)
+    return base, sizes
+
+
+def _rwkvx_ln_x_eps(source: TensorSource) -> float | None:
+    """model.ln_x_eps of an rwkvx checkpoint (its meta.json) or safetensors export (its metadata's
+    config); None where none is stated (a checkpoint from before the setting: the default)."""
+    import json
+    import math
+
+    from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
+
+    if not isinstance(source, SafetensorsFiles) or len(source.paths) != 1:
+        return None
+    path = source.paths[0]
+    try:
+        if "rwkvx_config" in source.metadata:
+            config = json.loads(source.metadata["rwkvx_config"])
+        elif (path.parent / "meta.json").is_file():
+            config = json.loads((path.parent / "meta.json").read_text(encoding="utf-8"))["config"]
+        else:
+            return None
+        eps = config["model"].get("ln_x_eps")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+        return None  # no readable config beside the weights: the tensors alone, as for a bare file
+    if eps is None:
+        return None
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps > 0):
+        raise FormatError(f"{path}: its config's model.ln_x_eps is {eps!r}, not a finite number > 0")
+    return float(eps)
 
 
 def open_source(path) -> TensorSource:

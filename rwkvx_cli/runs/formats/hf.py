@@ -9,9 +9,11 @@ channel mix's `x_k` are flat [C] there. fla's layer 0 has no `v_lora` (it sets v
 RWKV-LM's unused layer-0 `v0`, `v1`, `v2` are left out on export and come back as zeros.
 
 The eps rule: fla's group norm (`g_norm`, RWKV-LM's `ln_x`) uses eps = head_dim * norm_eps, and
-the same norm_eps is every LayerNorm's eps. RWKV-LM and rwkvx use LayerNorm eps 1e-5 and a fixed
-group-norm eps 64e-5, so the two agree exactly only at head size 64; other head sizes are refused
-both ways (one config value cannot give both eps).
+the same norm_eps is every LayerNorm's eps. rwkvx's LayerNorms use 1e-5 and its group norm
+`model.ln_x_eps` (RWKV-LM's 64e-5 by default). So a directory must say norm_eps 1e-5 and comes in
+with ln_x_eps = head_dim * norm_eps (any head size); a model goes out with norm_eps =
+ln_x_eps / head_dim, which must be 1e-5: at head size 64 the default eps, at another head size
+ln_x_eps = head_size * 1e-5 (an HF import has it; other eps are refused in one line).
 
 Reading a directory needs no fla: config.json is checked for the settings rwkvx's model cannot
 change, and the tensors are renamed lazily.
@@ -27,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.fsio import fsync_path
 from rwkvx_cli.runs.formats import sizes as sz
 from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
@@ -47,7 +49,7 @@ from rwkvx_cli.runs.formats.write import DEFAULT_SHARD_BYTES, atomic_dir, write_
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 LN_EPS = 1e-5  # rwkvx's and RWKV-LM's LayerNorm eps (torch's default)
-GN_EPS = 64e-5  # their ln_x GroupNorm eps
+GN_EPS = LN_X_EPS  # RWKV-LM's ln_x GroupNorm eps, model.ln_x_eps's default
 
 # rwkvx (RWKV-LM) name inside blocks.N -> (fla name inside model.layers.N, op from rwkvx to fla)
 _BLOCK: dict[str, tuple[str, str]] = {
@@ -152,21 +154,32 @@ def _in_model_order(rules: list[Rule]) -> list[Rule]:
     return sorted(rules, key=key)
 
 
-def check_exportable(sizes: sz.Sizes) -> None:
+def norm_eps_of(head_size: int, ln_x_eps: float) -> float:
+    """fla's norm_eps for a model with this head size and group-norm eps (the eps rule): ln_x_eps / head_dim,
+    which is also fla's LayerNorm eps, so it must be rwkvx's 1e-5, or FormatError."""
+    norm_eps = ln_x_eps / head_size
+    if not math.isclose(norm_eps, LN_EPS, rel_tol=1e-9):
+        raise FormatError(
+            f"model.ln_x_eps {ln_x_eps:g} at head size {head_size}: fla's group-norm eps is head_dim x norm_eps and "
+            f"norm_eps is also its LayerNorms' eps (rwkvx's: {LN_EPS:g}), so the hf format holds ln_x_eps = "
+            f"{head_size} x {LN_EPS:g} = {head_size * LN_EPS:g} only"
+        )
+    return norm_eps
+
+
+def check_exportable(sizes: sz.Sizes, ln_x_eps: float = GN_EPS) -> float:
+    """Refuse what fla cannot compute as rwkvx does; returns config.json's norm_eps."""
     if sizes.n_attn or any(k != "rwkv7" for k in sizes.kinds):
         others = sorted(set(sizes.kinds) - {"rwkv7"})
         raise FormatError(f"the hf format holds plain RWKV-7 models; this one has {', '.join(others)} blocks")
-    if sizes.head_size != 64:
-        raise FormatError(
-            f"head size {sizes.head_size}: fla's group norm eps is head_dim x norm_eps and its LayerNorms' is "
-            f"norm_eps, while rwkvx uses 1e-5 and 64e-5; one norm_eps gives both only at head size 64"
-        )
+    return norm_eps_of(sizes.head_size, ln_x_eps)
 
 
-def hf_config(sizes: sz.Sizes, eod_id: int = 0, dtype: torch.dtype = torch.float32) -> dict:
+def hf_config(sizes: sz.Sizes, eod_id: int = 0, dtype: torch.dtype = torch.float32, ln_x_eps: float = GN_EPS) -> dict:
     """config.json for fla's RWKV7Config (fla/models/rwkv7/configuration_rwkv7.py). No auto_map:
-    fla registers `rwkv7` with transformers' Auto classes when imported (`import fla`)."""
-    check_exportable(sizes)
+    fla registers `rwkv7` with transformers' Auto classes when imported (`import fla`). `ln_x_eps`:
+    the model's group-norm eps (model.ln_x_eps), written as norm_eps = ln_x_eps / head_dim."""
+    norm_eps = check_exportable(sizes, ln_x_eps)
     C, L = sizes.n_embd, sizes.n_layer
     return {
         "architectures": ["RWKV7ForCausalLM"],
@@ -187,7 +200,7 @@ def hf_config(sizes: sz.Sizes, eod_id: int = 0, dtype: torch.dtype = torch.float
         "value_dim": [C] * L,
         "norm_first": True,  # layer 0 has pre_norm (RWKV-LM's ln0)
         "norm_bias": True,
-        "norm_eps": LN_EPS,
+        "norm_eps": norm_eps,
         "vocab_size": sizes.vocab_size,
         "tie_word_embeddings": False,
         "bos_token_id": eod_id,
@@ -223,10 +236,8 @@ def sizes_from_hf_config(config: dict, where: str = "config.json") -> dict[str, 
     head = get("head_dim") or (C // get("num_heads") if get("num_heads") else None)
     eps = float(get("norm_eps", 1e-5))
     need(math.isclose(eps, LN_EPS, rel_tol=1e-9), f"norm_eps {eps} (rwkvx's LayerNorms use {LN_EPS})")
-    need(
-        head is not None and math.isclose(head * eps, GN_EPS, rel_tol=1e-9),
-        f"head_dim {head}: its group-norm eps would be {head} x {eps}, rwkvx's is {GN_EPS}",
-    )
+    need(head is not None, "head_dim / num_heads missing")
+    need(isinstance(head, int) and head > 0 and C % head == 0, f"head_dim {head} does not divide hidden_size {C}")
     need(get("hidden_act", "sqrelu") == "sqrelu", f"hidden_act {get('hidden_act')!r} (rwkvx's channel mix is sqrelu)")
     need(get("norm_first", True) is True, "norm_first is false: rwkvx always normalises the embedding (ln0)")
     need(get("norm_bias", True) is True, "norm_bias is false: rwkvx's LayerNorms have biases")
@@ -247,6 +258,7 @@ def sizes_from_hf_config(config: dict, where: str = "config.json") -> dict[str, 
             *(get(k) for k in ("decay_low_rank_dim", "a_low_rank_dim", "v_low_rank_dim", "gate_low_rank_dim"))
         ),
         "tied": bool(get("tie_word_embeddings", False)),
+        "ln_x_eps": head * eps,  # fla's g_norm eps (the eps rule)
     }
 
 
@@ -272,7 +284,7 @@ def open_hf(path: str | Path) -> tuple[TensorSource, sz.Sizes]:
     rules = from_hf_rules(base.shapes(), tied=stated["tied"])
     source = MappedSource(base, rules)
     sizes = sz.infer_sizes(source.shapes(), layout="rwkv-lm")
-    sizes.layout = "hf"
+    sizes.layout, sizes.ln_x_eps = "hf", stated["ln_x_eps"]
     said = {
         "vocab_size": sizes.vocab_size,
         "n_embd": sizes.n_embd,
@@ -330,13 +342,14 @@ def export_hf(
     sizes = sz.infer_sizes(source.shapes())
     if cfg is not None:
         sz.config_from_sizes(sizes, cfg, written=sz.SIZE_KEYS)
-    check_exportable(sizes)
+    ln_x_eps = cfg.ln_x_eps if cfg is not None else GN_EPS
+    check_exportable(sizes, ln_x_eps)
     eod = getattr(tokenizer, "eod_id", 0) if tokenizer is not None else 0
     files, note = hf_tokenizer_files(tokenizer)
     mapped = MappedSource(source, to_hf_rules(source.shapes()), dtype=DTYPES[dtype])
     with atomic_dir(Path(out), force) as tmp:
         written = write_shards(mapped, tmp, max_shard_bytes, metadata={"rwkvx_sizes": sz.sizes_line(sizes)})
-        write_json(tmp / "config.json", hf_config(sizes, eod, DTYPES[dtype]))
+        write_json(tmp / "config.json", hf_config(sizes, eod, DTYPES[dtype], ln_x_eps))
         write_json(tmp / "generation_config.json", generation_config(eod))
         for name, text in files.items():
             (tmp / name).write_text(text, encoding="utf-8")

@@ -20,11 +20,12 @@ gives 64, 64, 64, 160; 1.5B (C 2048) 96, 96, 64, 256 (rule 128, 128, 64, 224); 2
 from __future__ import annotations
 
 import dataclasses
+import math
 import re
 from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
-from rwkvx_cli.config import ConfigError, ModelConfig, expand_layers
+from rwkvx_cli.config import LN_X_EPS, ConfigError, ModelConfig, expand_layers
 from rwkvx_cli.models.layers.rwkv7 import lora_rank
 from rwkvx_cli.models.model import block_kinds, layer_kinds
 from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
@@ -79,6 +80,9 @@ class Sizes:
     moba_chunk: int | None = None
     moba_top_k: int | None = None
     notes: list[str] = field(default_factory=list)
+    # The group-norm eps the file states (an HF config.json: head_dim x norm_eps); None: it has no
+    # config (RWKV-LM, RWKV-X) and the model's `model.ln_x_eps` stays the config's.
+    ln_x_eps: float | None = None
 
     @property
     def n_layer(self) -> int:
@@ -106,6 +110,8 @@ class Sizes:
         }
         if not self.lora.follows_rule(self.n_embd):
             out.update(zip(LORA_FIELDS, dataclasses.astuple(self.lora), strict=True))
+        if self.ln_x_eps is not None:
+            out["ln_x_eps"] = self.ln_x_eps
         return out
 
 
@@ -271,9 +277,10 @@ def infer_sizes(shapes: Mapping[str, Shape], layout: str | None = None) -> Sizes
 
 
 def sizes_line(s: Sizes) -> str:
+    eps = f" ln_x_eps={s.ln_x_eps:g}" if s.ln_x_eps is not None and s.ln_x_eps != LN_X_EPS else ""
     return (
         f"vocab_size={s.vocab_size} n_embd={s.n_embd} head_size={s.head_size} "
-        f"n_layer={s.n_layer} n_attn={s.n_attn} lora {s.lora}"
+        f"n_layer={s.n_layer} n_attn={s.n_attn} lora {s.lora}{eps}"
     )
 
 
@@ -295,6 +302,11 @@ def config_from_sizes(sizes: Sizes, cfg: ModelConfig | None = None, written: Col
         except FormatError as e:
             detail = str(e)
         raise SizeMismatchError(f"the config says {said}: {detail}")
+    if "ln_x_eps" in written and "ln_x_eps" in got and not math.isclose(cfg.ln_x_eps, got["ln_x_eps"], rel_tol=1e-9):
+        raise FormatError(
+            f"the config says ln_x_eps={cfg.ln_x_eps:g}, the weights' ({sizes.layout}) {got['ln_x_eps']:g}; "
+            "leave model.ln_x_eps out to take theirs"
+        )
     return dataclasses.replace(cfg, **got)
 
 

@@ -157,15 +157,19 @@ def test_rwkv_x_import_refuses_leftover_blocks():
     "cfg,message",
     [
         (
-            ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=32),
-            "one norm_eps gives both only at head size 64",
+            ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=32),  # ln_x_eps 64e-5 would need norm_eps 2e-5
+            r"model.ln_x_eps 0.00064 at head size 32: .* the hf format holds ln_x_eps = 32 x 1e-05 = 0.00032 only",
+        ),
+        (
+            ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=64, ln_x_eps=1e-3),
+            r"model.ln_x_eps 0.001 at head size 64: .* = 0.00064 only",
         ),
         (ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=64, n_attn=1), "plain RWKV-7 models; this one"),
     ],
 )
 def test_hf_refuses_what_fla_cannot_compute_alike(cfg, message, tmp_path):
     with pytest.raises(FormatError, match=message) as e:
-        export_hf(LM(cfg).state_dict(), tmp_path / "hf")
+        export_hf(LM(cfg).state_dict(), tmp_path / "hf", cfg=cfg)
     assert "\n" not in str(e.value) and not (tmp_path / "hf").exists()
 
 
@@ -173,7 +177,8 @@ def test_hf_refuses_what_fla_cannot_compute_alike(cfg, message, tmp_path):
     "edit,message",
     [
         ({"norm_eps": 1e-6}, "norm_eps"),
-        ({"head_dim": 128, "num_heads": 1}, "group-norm eps"),
+        ({"head_dim": 128, "num_heads": 1}, r"disagrees with the tensors: head_size 128 \(the tensors: 64\)"),
+        ({"head_dim": 48}, "head_dim 48 does not divide hidden_size 128"),
         ({"attn": {"layers": [1]}}, "softmax-attention"),
         ({"model_type": "rwkv6"}, "not 'rwkv7'"),
         ({"intermediate_size": 400}, "disagrees with the tensors: ffn_size 400"),
@@ -188,6 +193,30 @@ def test_hf_config_refusals(edit, message, rwkv7_cfg, tmp_path):
     (out / "config.json").write_text(json.dumps({**cfg, **edit}))
     with pytest.raises(FormatError, match=message) as e:
         open_hf(out)
+    assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("head,eps", [(32, 32e-5), (64, 64e-5), (128, 128e-5)])
+def test_hf_directories_of_any_head_size_come_in_with_their_group_norm_eps(head, eps, tmp_path):
+    """fla's g_norm eps is head_dim x norm_eps: it comes in as model.ln_x_eps (which the model's ln_x
+    then uses) and goes out as norm_eps = ln_x_eps / head_dim, the same config.json."""
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.runs.formats import config_from_sizes
+
+    cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=head, ln_x_eps=eps)
+    export_hf(LM(cfg).state_dict(), tmp_path / "hf", cfg=cfg)
+    stated = json.loads((tmp_path / "hf" / "config.json").read_text())
+    assert stated["head_dim"] == head and stated["norm_eps"] == pytest.approx(1e-5, rel=1e-12)
+    source, sizes = open_any(tmp_path / "hf")
+    source.close()
+    got = config_from_sizes(sizes, ModelConfig())
+    assert got.head_size == head and got.ln_x_eps == pytest.approx(eps, rel=1e-12)
+    assert build_model(got, 0).blocks[1].att.ln_x.eps == got.ln_x_eps
+    export_hf(LM(got).state_dict(), tmp_path / "again", cfg=got)
+    assert json.loads((tmp_path / "again" / "config.json").read_text()) == stated
+    # A config that writes another ln_x_eps than the directory's is refused, in one line.
+    with pytest.raises(FormatError, match=r"the config says ln_x_eps=0.001, the weights' \(hf\)") as e:
+        config_from_sizes(sizes, ModelConfig(ln_x_eps=1e-3), written={"ln_x_eps"})
     assert "\n" not in str(e.value)
 
 

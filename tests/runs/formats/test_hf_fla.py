@@ -18,7 +18,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rwkvx_cli.runs.formats import export_hf, load_hf
+from rwkvx_cli.runs.formats import export_hf, load_hf, materialize
 from tests.runs.formats.conftest import perturbed_model
 
 
@@ -107,3 +107,42 @@ def test_rwkvx_export_hf_of_a_checkpoint_runs_in_fla(rwkv7_cfg, tmp_path, first_
         assert rel_err(fla_model(tokens).logits, model(tokens)[0]) <= 1e-5
     again = CliRunner().invoke(app, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(out)])
     assert again.exit_code == 2 and "pass --force" in again.stderr
+
+
+
+@pytest.mark.parametrize("C,head", [(64, 32), (128, 128)])
+def test_fla_runs_other_head_sizes_with_our_logits_both_ways(C, head, tmp_path, first_config_autotune):
+    """fla's group-norm eps is head_dim x norm_eps (norm_eps 1e-5, also its LayerNorms'): a model of head size
+    32 or 128 with model.ln_x_eps = head_size x 1e-5 goes out as an HF directory fla runs with our logits, and
+    fla's own save of it comes back in with that ln_x_eps and the same weights (so the same logits)."""
+    from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.models import LM
+    from rwkvx_cli.runs.formats import config_from_sizes, open_any
+
+    cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=C, head_size=head, ln_x_eps=head * 1e-5)
+    model = perturbed_model(cfg)
+    export_hf(model.state_dict(), tmp_path / "out", cfg=cfg)
+    written = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert written["head_dim"] == head and written["norm_eps"] == pytest.approx(1e-5, rel=1e-12)
+    # torch's norms (fuse_norm false: the same eps rule; fla's fused ones are slow in Triton's interpreter)
+    fla_model = AutoModelForCausalLM.from_pretrained(tmp_path / "out", dtype=torch.float32, fuse_norm=False).eval()
+    assert fla_model.model.layers[1].attn.g_norm.eps == pytest.approx(head * 1e-5, rel=1e-12)
+    assert fla_model.model.norm.eps == pytest.approx(1e-5, rel=1e-12)
+    tokens = torch.tensor([[5, 17, 3, 96]])
+    with torch.no_grad():
+        ours, theirs = model(tokens)[0], fla_model(tokens).logits
+    assert rel_err(theirs, ours) <= 1e-5
+
+    fla_model.save_pretrained(tmp_path / "fla")
+    source, sizes = open_any(tmp_path / "fla")
+    with source:
+        back_cfg = config_from_sizes(sizes, ModelConfig())
+        back = LM(back_cfg).eval()  # built from the config read back, not initialised: the weights come next
+        back.load_state_dict(materialize(source))
+    assert back_cfg.head_size == head and back_cfg.ln_x_eps == pytest.approx(head * 1e-5, rel=1e-12)
+    with torch.no_grad():
+        assert torch.equal(back(tokens)[0], ours)
+        # Not vacuous: rwkvx's old fixed eps (64e-5) is off by more than the bound.
+        for block in back.blocks:
+            block.att.ln_x.eps = 64e-5
+        assert rel_err(theirs, back(tokens)[0]) > 1e-5
