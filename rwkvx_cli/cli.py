@@ -359,11 +359,16 @@ def main() -> None:
     warnings.showwarning = one_line_warning
     signals.install_process_handlers()  # SIGTERM unwinds like Ctrl-C (exit 143); EFBIG instead of SIGXFSZ
     try:
+        signals.restore_interrupt()  # the package's start-up handler (rwkvx_cli/__init__.py) hands over
         app()
     except Terminated:  # before a command's own handler (reports_errors) is reached
         signals.ignore_stop_signals()
         err.print("[bold red]terminated[/]")
         raise SystemExit(143) from None
+    except KeyboardInterrupt:  # between the start-up handler and typer's (whose exit 130 OneLineErrors reports)
+        signals.ignore_stop_signals()
+        err.print("[bold red]interrupted[/]")
+        raise SystemExit(130) from None
     finally:
         # The command is over: a late SIGTERM must not interrupt the exit (atexit hooks, e.g. torch's).
         signals.ignore_stop_signals()

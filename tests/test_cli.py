@@ -183,3 +183,53 @@ def test_gradcheck_all_with_a_backend_skips_the_ops_without_it(monkeypatch):
     assert "PASS toyscan" in result.stdout and "toyother" not in result.stdout
     result = invoke("gradcheck", "--op", "all", "--backend", "nosuch")
     assert result.exit_code == 2 and "no op has such a backend" in result.stderr
+
+
+# -- Ctrl-C while the command starts -----------------------------------------------------------------------------------
+# A sitecustomize on PYTHONPATH that sends this process SIGINT when it first imports `module`: the Ctrl-C of a user
+# who presses it while Python imports the command line, at a point chosen exactly, not by a timer.
+SIGINT_ON_IMPORT = """
+import os, signal, sys
+
+class _Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+"""
+
+
+def _interrupted_at_import(tmp_path, module: str, *command: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "sitecustomize.py").write_text(SIGINT_ON_IMPORT.format(module=module))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    return subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["typer", "rich.table", "typer.rich_utils"])
+def test_ctrl_c_while_the_command_imports_is_one_line_exit_130(tmp_path, module):
+    """typer and rich.table are imported with the command line, typer.rich_utils while typer renders the help."""
+    done = _interrupted_at_import(tmp_path, module, "-m", "rwkvx_cli", "train", "--help")
+    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")
+
+
+def test_ctrl_c_while_the_console_script_imports_is_one_line_exit_130(tmp_path):
+    """The `rwkvx` script pip writes: it imports rwkvx_cli.cli, then calls main()."""
+    script = "import sys; sys.argv[0] = '/venv/bin/rwkvx'; from rwkvx_cli.cli import main; sys.exit(main())"
+    done = _interrupted_at_import(tmp_path, "typer", "-c", script, "--version")
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+
+
+def test_a_program_that_imports_the_package_keeps_pythons_ctrl_c(tmp_path):
+    import signal
+
+    done = _interrupted_at_import(tmp_path, "typer", "-c", "import rwkvx_cli.cli")
+    assert done.returncode == -signal.SIGINT and done.stderr.endswith("KeyboardInterrupt\n")
