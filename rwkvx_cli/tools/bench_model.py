@@ -26,7 +26,7 @@ The steps are timed as one block (mean step time). With `vs_gpt` the config is c
 nanoGPT-style transformer of the same shape (models/gpt.py: n_layer, n_embd, vocab_size, one
 head per model.head_size channels, train.ctx_len positions, tied head) trained in the same
 process on the same tokens: same B, T, device, precision, loss head (no L2Wrap), the trainer's
-AdamW (train/optimizer.py) with the same groups, and number of steps. The two models' steps
+AdamW (models/optimizer.py) with the same groups, and number of steps. The two models' steps
 alternate (round i: RWKV then GPT, or GPT then RWKV on odd rounds), each step timed on its own,
 and both step times are medians over the rounds, so that the machine's noise hits both alike;
 `rwkv_over_gpt` = RWKV tokens/s / GPT tokens/s; with `vs_unchunked` (a config with
@@ -57,11 +57,11 @@ from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.models.model import layer_kinds
+from rwkvx_cli.models.optimizer import adamw
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
 from rwkvx_cli.tools.op_count import ops_per_block
-from rwkvx_cli.train.optimizer import adamw
 
 COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
 

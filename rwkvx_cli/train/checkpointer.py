@@ -16,12 +16,12 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
+from rwkvx_cli.models.optimizer import IMPLEMENTATION
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import DistInfo
-from rwkvx_cli.train.optimizer import IMPLEMENTATION
 
 # The TBPTT carry: per micro-batch, per block, the block's state (a dict of tensors), or None
 # for a micro-batch that starts from a zero state (and for MoBA blocks, which keep none).

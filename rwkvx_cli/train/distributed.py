@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 
 from rwkvx_cli.config import ConfigError
-from rwkvx_cli.train.optimizer import implementation, restore_implementation
+from rwkvx_cli.models.optimizer import implementation, restore_implementation
 
 
 @dataclass(frozen=True)
@@ -206,7 +206,7 @@ def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
 
 def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_state: dict | None) -> None:
     """Load full tensors (as written by `full_state`) into a plain or sharded model and its optimizer.
-    The optimizer keeps its own implementation flags (train/optimizer.py), whatever the state's say."""
+    The optimizer keeps its own implementation flags (models/optimizer.py), whatever the state's say."""
     flags = implementation(optimizer) if optimizer is not None else None
     if not sharded(model):
         model.load_state_dict(weights)

@@ -23,6 +23,7 @@ from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.evaluation.validation import evaluate
 from rwkvx_cli.models import LM, parameter_groups
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
+from rwkvx_cli.models.optimizer import adamw
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.layout import checkpoints_dir, metrics_path
@@ -31,7 +32,6 @@ from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import Sinks, mfu_pct
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
-from rwkvx_cli.train.optimizer import adamw
 from rwkvx_cli.train.profiling import StepProfiler
 from rwkvx_cli.train.schedule import lr_at
 

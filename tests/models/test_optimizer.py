@@ -1,13 +1,13 @@
-"""The trainer's AdamW (train/optimizer.py): torch's fused kernel, the for-loop form's values, and a
+"""The trainer's AdamW (models/optimizer.py): torch's fused kernel, the for-loop form's values, and a
 checkpoint written by another implementation (an older rwkvx: the for-loop form) resumes into it."""
 
 import torch
 
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.models import build_model, parameter_groups
+from rwkvx_cli.models.optimizer import adamw
 from rwkvx_cli.train.checkpointer import check_optimizer_state
 from rwkvx_cli.train.distributed import load_full_state
-from rwkvx_cli.train.optimizer import adamw
 
 
 def _stepped(opt_of, steps=3):

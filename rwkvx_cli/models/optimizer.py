@@ -1,4 +1,4 @@
-"""The optimizer: AdamW over RWKV-LM's parameter groups (models.parameter_groups), run by torch's
+"""The trainer's optimizer: AdamW over RWKV-LM's parameter groups (models.parameter_groups), run by torch's
 fused kernel, one pass over each tensor, where it can: the for-loop form torch picks by default
 on the CPU dispatches some 15 small ops per parameter tensor (25 ms of a 190 ms tiny RWKV-7 step
 on the 2-core development VM against 2 ms fused; docs/benchmarks.md). Under FSDP2, whose
