@@ -297,11 +297,12 @@ Inputs = Annotated[
 ]
 OutDir = Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")]
 Tokenizer = Annotated[str, typer.Option(help="byte, bpe, world, or a tokenizer.json path.")]
-VocabSize = Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")]
+VocabSize = Annotated[int | None, typer.Option(min=257, max=2**31 - 1, help="BPE vocabulary size (bpe only).")]
 Fraction = Annotated[float, typer.Option(min=0.0, max=1.0, help="Held-out share of the tokens.")]
 TextField = Annotated[str, typer.Option(help="The document text's field in JSONL records and parquet.")]
 SkipBad = Annotated[bool, typer.Option("--skip-bad", help="Skip (and count) bad records instead of stopping.")]
 EodId = Annotated[int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")]
+PrepareSeed = Annotated[int, typer.Option(min=0, max=2**63 - 1, help="Seed of the validation documents' choice.")]
 Workers = Annotated[int | None, typer.Option(min=1, help="Tokenizing processes (default: the cores available).")]
 Shards = Annotated[int, typer.Option(min=1, help="Split the inputs into K disjoint shards (machines).")]
 ShardIndex = Annotated[int, typer.Option(min=0, help="The shard to prepare, 0..K-1.")]
@@ -316,7 +317,7 @@ def data_prepare(
     tokenizer: Tokenizer = "byte",
     vocab_size: VocabSize = None,
     val_fraction: Fraction = 0.05,
-    seed: int = 0,
+    seed: PrepareSeed = 0,
     text_field: TextField = "text",
     skip_bad: SkipBad = False,
     eod_id: EodId = None,

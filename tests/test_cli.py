@@ -233,3 +233,30 @@ def test_a_program_that_imports_the_package_keeps_pythons_ctrl_c(tmp_path):
 
     done = _interrupted_at_import(tmp_path, "typer", "-c", "import rwkvx_cli.cli")
     assert done.returncode == -signal.SIGINT and done.stderr.endswith("KeyboardInterrupt\n")
+
+
+def test_every_numeric_option_of_data_prepare_and_merge_states_its_range(tmp_path):
+    """Each numeric option has a range (shown in --help) and refuses a value outside it in one line, exit 2,
+    nothing written."""
+    import inspect
+    import typing
+
+    from rwkvx_cli.cli import data_merge, data_prepare
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    walked = []
+    for name, fn in (("prepare", data_prepare), ("merge", data_merge)):
+        for pname, hint in typing.get_type_hints(inspect.unwrap(fn), include_extras=True).items():
+            base, *meta = typing.get_args(hint) if typing.get_origin(hint) is typing.Annotated else (hint,)
+            if not {int, float} & ({base} | set(typing.get_args(base))):
+                continue
+            info = next((m for m in meta if hasattr(m, "min")), None)
+            assert info is not None and info.min is not None, f"{name} {pname}: no stated range"
+            flag = next(iter(info.param_decls or ()), "--" + pname.replace("_", "-"))
+            for value in [info.min - 1] + ([info.max + 1] if info.max is not None else []):
+                result = invoke("data", name, str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), flag, str(value))
+                assert result.exit_code == 2, (flag, value, result.output)
+                assert f"Invalid value for '{flag}'" in result.output and result.output.count("\n") == 1, result.output
+                assert not (tmp_path / "o").exists()
+            walked.append(flag)
+    assert {"--seed", "--vocab-size", "--val-fraction", "--workers", "--num-shards", "--eod-id"} <= set(walked)

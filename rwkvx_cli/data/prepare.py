@@ -36,6 +36,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rwkvx_cli.config import MAX_SEED
 from rwkvx_cli.data import corpus
 from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, replacing, write_index
 from rwkvx_cli.data.cuts import rule_for
@@ -55,7 +56,7 @@ from rwkvx_cli.data.encode import (
 )
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
-from rwkvx_cli.data.tokenizer import NAMES, load_tokenizer, train_tokenizer
+from rwkvx_cli.data.tokenizer import NAMES, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
 
@@ -173,6 +174,9 @@ def prepare(
         raise UsageError("prepare needs at least one input file")
     workers = default_workers() if workers is None else workers
     _check_options(workers, num_shards, shard_index, batch_bytes, unit_bytes, tokenizer_kind)
+    _check_seed(seed)
+    if tokenizer_kind == "bpe" and vocab_size is not None:
+        check_bpe_vocab_size(vocab_size)  # before the corpus is read to train it
     inputs = corpus.expand_inputs(inputs)
     out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
     sizes = [p.stat().st_size for p in inputs]
@@ -335,7 +339,7 @@ def _load_state(work: Path, job: dict) -> dict | None:
     an error: resuming it would mix two corpora."""
     try:
         state = json.loads((work / "state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         return None
@@ -707,7 +711,7 @@ def _prepared_here(out_dir: Path) -> bool:
         return True
     try:
         meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(meta, dict) and meta.get("format") == META_FORMAT
 
@@ -723,7 +727,7 @@ def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> di
         meta = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise DataError(f"{path} cannot be read: {e.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise DataError(f"{path} is not valid JSON (damaged?); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise DataError(f"{path} is not an rwkvx prepared-data description; prepare the data again")
@@ -767,6 +771,11 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
 
 
 def _check_val_fraction(val_fraction) -> None:

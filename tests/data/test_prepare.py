@@ -284,3 +284,42 @@ def test_single_document_line_split_is_within_the_stated_tolerance(tmp_path):
     # Asked for less than a piece: no line cut is near enough, so the cut is exact (mid-line).
     small = prepare([SHAKESPEARE], tmp_path / "o2", "byte", val_fraction=300)
     assert small.split == "tokens" and small.val_tokens == 300
+
+
+def test_a_record_nested_past_the_stack_is_a_bad_record(tmp_path):
+    """json recurses per level of nesting: a record [[[...]]] tens of thousands deep is a bad record (its line
+    named), skipped and counted under skip_bad, in this process, in workers, and while a BPE trains."""
+    deep = "[" * 50_000 + "]" * 50_000
+    lines = [json.dumps({"text": f"document {i} " * 40}) for i in range(400)]
+    lines[250] = deep
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    for workers in (1, 2):
+        with pytest.raises(DataError, match=r"a\.jsonl:251: not valid JSON \(nested too deeply\)"):
+            prepare([tmp_path / "a.jsonl"], tmp_path / "out", "byte", workers=workers, batch_bytes=20_000)
+        assert list((tmp_path / "out").iterdir()) == []
+        stats = prepare([tmp_path / "a.jsonl"], tmp_path / f"skip{workers}", "byte", skip_bad=True,
+                        workers=workers, batch_bytes=20_000)
+        assert stats.skipped_records == 1 and stats.documents == 399
+        assert stats.first_skipped.endswith("a.jsonl:251: not valid JSON (nested too deeply)")
+    with pytest.raises(DataError, match=r"a\.jsonl:251: not valid JSON \(nested too deeply\)"):
+        prepare([tmp_path / "a.jsonl"], tmp_path / "bpe", "bpe", vocab_size=300)
+    stats = prepare([tmp_path / "a.jsonl"], tmp_path / "bpe", "bpe", vocab_size=300, skip_bad=True)
+    assert stats.skipped_records == 1 and stats.documents == 399
+
+
+def test_options_out_of_range_are_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\nand more\n")
+    out = tmp_path / "out"
+    for options, message in [
+        ({"seed": -1}, r"seed must be an integer from 0 to 9223372036854775807, got -1"),
+        ({"seed": 2**63}, r"seed must be an integer from 0 to"),
+        ({"tokenizer_kind": "bpe", "vocab_size": 10**20}, r"vocab_size must be an integer at least 257 .* got 1000"),
+        ({"tokenizer_kind": "bpe", "vocab_size": 100}, r"BPE vocab_size must be an integer at least 257"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            prepare([tmp_path / "a.txt"], out, **options)
+        assert not out.exists(), options
+    k = 10**20  # shards: planned without a list of their bounds
+    owner = -(-10 * k // 19) - 1  # the last shard starting at or before the 19-byte file's middle byte (9)
+    assert prepare([tmp_path / "a.txt"], out, seed=2**63 - 1, num_shards=k, shard_index=owner).documents == 1
+    assert prepare([tmp_path / "a.txt"], tmp_path / "o2", num_shards=k, shard_index=owner + 1).documents == 0
