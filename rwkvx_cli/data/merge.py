@@ -40,7 +40,7 @@ class MergeStats:
 def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> MergeStats:
     """Write the prepared directories `paths` (a list, a directory or a glob, as `open_prepared` takes them) as one
     prepared directory `out_dir`. Refuses an `out_dir` rwkvx did not make, or one of the inputs."""
-    from rwkvx_cli.data.prepare import _hold, _prepared_here
+    from rwkvx_cli.data.prepare import _hold, _prepared_here, remove_stale_temps
 
     corpus = open_prepared(paths)
     out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
@@ -50,6 +50,7 @@ def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_d
     claim_dir(out_dir, DATA_MARKER)
     with _hold(out_dir):
         (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
+        remove_stale_temps(out_dir)  # left by a killed prepare or merge
         counts = {"train": _concatenate(out_dir / "train", corpus.train, corpus.dtype),
                   "val": _concatenate(out_dir / "val", corpus.val_parts, corpus.dtype)}
         shutil.copyfile(corpus.dirs[0] / "tokenizer.json", out_dir / "tokenizer.json")

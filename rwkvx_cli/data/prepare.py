@@ -32,6 +32,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 
 import numpy as np
@@ -236,7 +237,7 @@ def prepare(
             raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
         try:
             (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
-            _remove_stale_streams(out_dir)
+            remove_stale_temps(out_dir)
             if state is None:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
@@ -755,12 +756,26 @@ def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> di
     return meta
 
 
-def _remove_stale_streams(out_dir: Path) -> None:
-    """Token streams left by a prepare that was killed (its pid is gone) are removed."""
-    for p in out_dir.glob(".tokens.tmp*"):
-        pid = p.name[len(".tokens.tmp") :]
-        if pid.isdigit() and not _alive(int(pid)):
-            p.unlink(missing_ok=True)
+# The files of a prepared directory that only a holder of its lock (_hold: prepare, merge) writes.
+_LOCKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json")
+# Every file rwkvx writes there under a temporary name (fsio.temp_path: .NAME.tmpPID); "tokens": an older
+# prepare's token stream.
+_OWN_FILES = (*_LOCKED_FILES, "tokenizer.json", "source.json", DATA_MARKER, "tokens")
+
+
+def remove_stale_temps(out_dir: Path) -> None:
+    """Remove the temporary files an earlier rwkvx process left in `out_dir`, a directory rwkvx marked, when it was
+    killed (kill -9 while writing train.bin leaves a second copy of it). Called with the directory's lock held
+    (_hold): the temporary files of the locked outputs are then another process's that no longer holds it; any
+    other of rwkvx's only when its pid is gone. Nothing else is touched."""
+    mine = str(os.getpid())
+    for name in _OWN_FILES:
+        prefix = f".{name}.tmp"
+        for p in out_dir.glob(f"{glob_escape(prefix)}*"):
+            pid = p.name[len(prefix) :]
+            if pid.isdigit() and pid != mine and (name in _LOCKED_FILES or not _alive(int(pid))):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
 
 
 def _alive(pid: int) -> bool:

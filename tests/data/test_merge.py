@@ -67,3 +67,14 @@ def test_cli_merge(tmp_path, shards):
                          text=True)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: ") and "missing" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_merge_removes_what_a_killed_prepare_or_merge_left(tmp_path, shards):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    merge_prepared(shards, tmp_path / "m")
+    left = [f".train.bin.tmp{dead.pid}", f".val.idx.tmp{dead.pid}", f".meta.json.tmp{dead.pid}"]
+    for name in left:
+        (tmp_path / "m" / name).write_bytes(b"x" * 100)  # as kill -9 mid-merge leaves them
+    merge_prepared(shards, tmp_path / "m")
+    assert not [n for n in left if (tmp_path / "m" / n).exists()]

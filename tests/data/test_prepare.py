@@ -323,3 +323,44 @@ def test_options_out_of_range_are_refused_before_anything_is_written(tmp_path):
     owner = -(-10 * k // 19) - 1  # the last shard starting at or before the 19-byte file's middle byte (9)
     assert prepare([tmp_path / "a.txt"], out, seed=2**63 - 1, num_shards=k, shard_index=owner).documents == 1
     assert prepare([tmp_path / "a.txt"], tmp_path / "o2", num_shards=k, shard_index=owner + 1).documents == 0
+
+
+_KILLED_IN_SPLIT = """
+import os, sys
+import rwkvx_cli.data.prepare
+prep = sys.modules["rwkvx_cli.data.prepare"]
+real = prep.write_index
+def write_then_die(path, *args):
+    real(path, *args)
+    if path.name.startswith(".train.idx.tmp"):  # train's pair is written under temporary names, not renamed: kill -9
+        os.kill(os.getpid(), 9)
+prep.write_index = write_then_die
+prep.prepare([sys.argv[1]], sys.argv[2], "byte", workers=1)
+"""
+
+
+def test_a_prepare_killed_while_splitting_leaves_no_temporary_file_after_resume(tmp_path):
+    """kill -9 after tokenizing, while the split writes train.bin under its temporary name: the resume, or a fresh
+    prepare into the directory, finishes and removes what the killed process left (a second train.bin at corpus
+    scale); a live process's temporary files, and files not rwkvx's, are kept."""
+    import sys
+
+    _write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 30 for i in range(50)])
+    out = tmp_path / "out"
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_IN_SPLIT, str(tmp_path / "a.jsonl"), str(out)])
+    assert killed.wait() == -9
+    assert (out / f".train.bin.tmp{killed.pid}").exists() and not (out / "meta.json").exists()
+    stats = prepare([tmp_path / "a.jsonl"], out, "byte", workers=1, resume=True)
+    assert stats.resumed_bytes == stats.bytes  # resumed after tokenizing
+    assert sorted(p.name for p in out.iterdir()) == sorted([".rwkvx-data", *FILES])
+    dead = killed.pid
+    planted = [f".val.idx.tmp{dead}", f".meta.json.tmp{dead}", f".tokenizer.json.tmp{dead}", f".tokens.tmp{dead}",
+               f"..rwkvx-data.tmp{dead}", ".train.bin.tmp1"]  # pid 1 lives, but it cannot hold this directory's lock
+    kept = [".tokenizer.json.tmp1", f".notes.tmp{dead}", f"train.bin.tmp{dead}"]  # a live pid's; not rwkvx's names
+    for name in planted + kept:
+        (out / name).write_bytes(b"x")
+    prepare([tmp_path / "a.jsonl"], out, "byte", workers=1)  # a fresh prepare into the marked directory
+    assert sorted(p.name for p in out.iterdir()) == sorted([".rwkvx-data", *FILES, *kept])
+
+
+FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json", "tokenizer.json")
