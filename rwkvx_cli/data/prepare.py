@@ -39,7 +39,7 @@ import numpy as np
 
 from rwkvx_cli.config import MAX_SEED
 from rwkvx_cli.data import corpus
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, replacing, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, binidx_paths, copy_range, dtype_for_vocab, replacing, write_index
 from rwkvx_cli.data.cuts import rule_for
 from rwkvx_cli.data.encode import (
     Encoder,
@@ -59,7 +59,15 @@ from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
 from rwkvx_cli.data.tokenizer import NAMES, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
+from rwkvx_cli.fsio import (
+    DATA_MARKER,
+    atomic_write_text,
+    check_writable_dir,
+    claim_dir,
+    fsync_file,
+    names_file,
+    write_failure,
+)
 
 try:
     import fcntl
@@ -230,7 +238,10 @@ def prepare(
         world_table=tuple(tok.table) if tok.kind == "world" else None,
     )
 
-    claim_dir(out_dir, DATA_MARKER)
+    try:
+        claim_dir(out_dir, DATA_MARKER)
+    except OSError as e:
+        raise write_failure(e, out_dir, f"nothing of this preparation is in {out_dir}") or e from None
     with _hold(out_dir):
         state = _load_state(work, job) if resume else None  # a refusal here keeps the partial preparation
         if state is not None and (state["dtype"] != dtype.name or state["rule"] != rule.name):
@@ -265,6 +276,12 @@ def prepare(
             if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
                 (out_dir / DATA_MARKER).unlink()
             raise
+        except OSError as e:  # a full disk: say where, and what a resume keeps
+            kept = f"what was tokenized is kept in {work}: free space and run again with --resume"
+            if not (work / "state.json").is_file():
+                kept = "free space and run again"
+            intact = f"{out_dir} holds no finished preparation (no meta.json); {kept}"
+            raise write_failure(e, out_dir, intact) or e from None
     shutil.rmtree(work, ignore_errors=True)
     return stats
 
@@ -384,7 +401,7 @@ class _Tokenizing:
                 f = open(self.work / name, "ab")
                 f.truncate(size)  # a unit that was not finished is read again
                 handles[name] = f
-            syncer = _Syncer(self.work, [f.fileno() for f in handles.values()])
+            syncer = _Syncer(self.work, [f.fileno() for f in handles.values()], [f.name for f in handles.values()])
             self._report()
             items = self._items(spec, batch_bytes, n_workers)
             with _one_core():  # this process tokenizes too: one core
@@ -427,7 +444,8 @@ class _Tokenizing:
                 raise DataError(result.message)
             if isinstance(result, UnitEnd):
                 for f in handles.values():
-                    f.flush()
+                    with names_file(f.name):
+                        f.flush()
                 st["units_done"] = ui + 1
                 syncer.submit(st)
                 unit_lines = 0
@@ -441,7 +459,8 @@ class _Tokenizing:
             st["text_bytes"] += result.text_bytes
             unit_lines += result.lines
             n = len(result.tokens) // item
-            tokens_f.write(result.tokens)
+            with names_file(tokens_f.name):
+                tokens_f.write(result.tokens)
             if st["documents"] == 0 and result.cuts:  # the first document's line cuts: where a lone one may split
                 cuts_f.write((np.asarray(result.cuts, dtype="<i8") + st["tokens"]).tobytes())
                 st["cuts"] += len(result.cuts)
@@ -490,8 +509,9 @@ class _Syncer:
     newest state matters, so one not yet written is replaced by a newer one. An OSError is raised at the next submit
     or at close."""
 
-    def __init__(self, work: Path, fds: list[int]):
+    def __init__(self, work: Path, fds: list[int], names: list[str] | None = None):
         self._work, self._fds = work, fds
+        self._names = names or [None] * len(fds)  # the files of `fds`, for an error's message
         self._cond = threading.Condition()
         self._pending: str | None = None  # state.json's text
         self._closing = False
@@ -533,8 +553,9 @@ class _Syncer:
             if text is None:
                 return
             try:
-                for fd in self._fds:
-                    os.fsync(fd)
+                for fd, name in zip(self._fds, self._names, strict=True):
+                    with names_file(name) if name else contextlib.nullcontext():
+                        os.fsync(fd)
                 atomic_write_text(self._work / "state.json", text)
             except OSError as e:
                 self._error = e
@@ -607,7 +628,8 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
 
     n_keep = sum(int(np.count_nonzero(keep(a))) for a in chunks)
     tokens = 0
-    with replacing(prefix) as (tmp_bin, tmp_idx):
+    bin_path, idx_path = binidx_paths(prefix)
+    with replacing(prefix) as (tmp_bin, tmp_idx), names_file(bin_path):
         whole = mask is None and skip == 0 and n and int(np.sum(sizes)) * item == stream.stat().st_size
         if whole:
             tmp_bin.unlink(missing_ok=True)
@@ -627,7 +649,8 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
                         tokens += length
                     at = int(ends[-1]) if len(part) else at
                 fsync_file(dst)
-        write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
+        with names_file(idx_path):
+            write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
     return n_keep, tokens
 
 

@@ -1,6 +1,7 @@
 import gzip
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -343,7 +344,6 @@ def test_a_prepare_killed_while_splitting_leaves_no_temporary_file_after_resume(
     """kill -9 after tokenizing, while the split writes train.bin under its temporary name: the resume, or a fresh
     prepare into the directory, finishes and removes what the killed process left (a second train.bin at corpus
     scale); a live process's temporary files, and files not rwkvx's, are kept."""
-    import sys
 
     _write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 30 for i in range(50)])
     out = tmp_path / "out"
@@ -364,3 +364,30 @@ def test_a_prepare_killed_while_splitting_leaves_no_temporary_file_after_resume(
 
 
 FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json", "tokenizer.json")
+
+
+def test_a_full_disk_names_the_file_and_what_a_resume_keeps(tmp_path, monkeypatch):
+    import errno
+
+    from typer.testing import CliRunner
+
+    from rwkvx_cli.cli import app
+
+    prep = sys.modules["rwkvx_cli.data.prepare"]
+    _write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 30 for i in range(50)])
+    out = tmp_path / "out"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write() says it: no file named
+
+    with monkeypatch.context() as m:
+        m.setattr(prep, "write_index", full)
+        result = CliRunner().invoke(app, ["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (  # after the progress line
+        f"error: cannot write {out / 'train.idx'}: No space left on device; {out} holds no finished preparation (no "
+        f"meta.json); what was tokenized is kept in {out / '.prepare'}: free space and run again with --resume"
+    )
+    assert not list(out.glob(".*.tmp*"))  # no temporary file left
+    stats = prepare([tmp_path / "a.jsonl"], out, resume=True)
+    assert stats.resumed_bytes == stats.bytes and (out / "meta.json").exists()
