@@ -298,11 +298,12 @@ Inputs = Annotated[
 ]
 OutDir = Annotated[Path, typer.Option("--out", help="Output directory for train/val binidx.")]
 Tokenizer = Annotated[str, typer.Option(help="byte, bpe, world, or a tokenizer.json path.")]
-VocabSize = Annotated[int | None, typer.Option(min=258, help="BPE vocabulary size (bpe only).")]
+VocabSize = Annotated[int | None, typer.Option(min=257, max=2**31 - 1, help="BPE vocabulary size (bpe only).")]
 Fraction = Annotated[float, typer.Option(min=0.0, max=1.0, help="Held-out share of the tokens.")]
 TextField = Annotated[str, typer.Option(help="The document text's field in JSONL records and parquet.")]
 SkipBad = Annotated[bool, typer.Option("--skip-bad", help="Skip (and count) bad records instead of stopping.")]
 EodId = Annotated[int | None, typer.Option(min=0, help="End-of-document id of a tokenizer.json (default 0).")]
+PrepareSeed = Annotated[int, typer.Option(min=0, max=2**63 - 1, help="Seed of the validation documents' choice.")]
 Workers = Annotated[int | None, typer.Option(min=1, help="Tokenizing processes (default: the cores available).")]
 Shards = Annotated[int, typer.Option(min=1, help="Split the inputs into K disjoint shards (machines).")]
 ShardIndex = Annotated[int, typer.Option(min=0, help="The shard to prepare, 0..K-1.")]
@@ -317,7 +318,7 @@ def data_prepare(
     tokenizer: Tokenizer = "byte",
     vocab_size: VocabSize = None,
     val_fraction: Fraction = 0.05,
-    seed: int = 0,
+    seed: PrepareSeed = 0,
     text_field: TextField = "text",
     skip_bad: SkipBad = False,
     eod_id: EodId = None,
@@ -360,11 +361,16 @@ def main() -> None:
     warnings.showwarning = one_line_warning
     signals.install_process_handlers()  # SIGTERM unwinds like Ctrl-C (exit 143); EFBIG instead of SIGXFSZ
     try:
+        signals.restore_interrupt()  # the package's start-up handler (rwkvx_cli/__init__.py) hands over
         app()
     except Terminated:  # before a command's own handler (reports_errors) is reached
         signals.ignore_stop_signals()
         err.print("[bold red]terminated[/]")
         raise SystemExit(143) from None
+    except KeyboardInterrupt:  # between the start-up handler and typer's (whose exit 130 OneLineErrors reports)
+        signals.ignore_stop_signals()
+        err.print("[bold red]interrupted[/]")
+        raise SystemExit(130) from None
     finally:
         # The command is over: a late SIGTERM must not interrupt the exit (atexit hooks, e.g. torch's).
         signals.ignore_stop_signals()

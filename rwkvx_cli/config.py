@@ -52,6 +52,9 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 # More blocks than any model trains: a larger count is a typo, not a model to build.
 MAX_LAYERS = 10_000
+# Token ids are stored as int32 (binidx): no vocabulary is larger.
+MAX_VOCAB = 2**31 - 1
+MIN_BPE_VOCAB = 257  # a trained BPE's 256 bytes and its end-of-document token
 
 # Block kinds a layer pattern may use: the time mix of each (the channel mix is RWKV's).
 LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
@@ -247,12 +250,12 @@ class Config:
             (m.n_embd >= 1, "model.n_embd", "must be >= 1"),
             (m.head_size >= 1, "model.head_size", "must be >= 1"),
             (m.n_embd % max(m.head_size, 1) == 0, "model.n_embd", f"{m.n_embd} is not divisible by model.head_size"),
-            (m.n_layer >= 1, "model.n_layer", "must be >= 1"),
-            (m.vocab_size >= 2, "model.vocab_size", "must be >= 2"),
+            (1 <= m.n_layer <= MAX_LAYERS, "model.n_layer", f"must be from 1 to {MAX_LAYERS:,}"),
+            (2 <= m.vocab_size <= MAX_VOCAB, "model.vocab_size", f"must be from 2 to {MAX_VOCAB:,}"),
             (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
             (math.isfinite(m.ln_x_eps) and m.ln_x_eps > 0, "model.ln_x_eps", "must be a finite number > 0"),
-            (min(m.lora_w, m.lora_a, m.lora_v, m.lora_g) >= 0, "model.lora_w", "the lora_* ranks must be >= 0"),
+            *((getattr(m, f"lora_{k}") >= 0, f"model.lora_{k}", "must be >= 0 (0: RWKV-LM's rule)") for k in "wavg"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),
             (t.grad_accum >= 1, "train.grad_accum", "must be >= 1"),
@@ -279,7 +282,9 @@ class Config:
             (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
             (t.sampler in ("epoch", "random"), "train.sampler", "must be epoch or random"),
             (t.head in ("chunked", "full"), "train.head", "must be chunked or full"),
-            (d.eod_id >= 0, "data.eod_id", "must be >= 0"),
+            (0 <= d.eod_id < MAX_VOCAB, "data.eod_id", f"must be from 0 to {MAX_VOCAB - 1:,}"),
+            (MIN_BPE_VOCAB <= d.bpe_vocab_size <= MAX_VOCAB, "data.bpe_vocab_size",
+             f"must be from {MIN_BPE_VOCAB} to {MAX_VOCAB:,}"),
             (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
             (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
             (t.chunk_len >= 0, "train.chunk_len", "must be >= 0 (0: off)"),

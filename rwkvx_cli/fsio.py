@@ -20,6 +20,36 @@ class LinkRefused(RwkvxError):
         super().__init__(f"{path} is a symbolic link; rwkvx never writes through a link it did not make (remove it)")
 
 
+# The errors of a write that the disk refused (full, over quota, past a file-size limit, read-only): never of a read.
+WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EROFS})
+
+
+class WriteFailed(RwkvxError):
+    """A write the disk refused, naming the file being written and what is intact (as the checkpoint writer says
+    "the earlier checkpoints are intact")."""
+
+    def __init__(self, path: Path | str, reason: str, intact: str):
+        super().__init__(f"cannot write {path}: {reason}; {intact}")
+
+
+def write_failure(e: OSError, default: Path | str, intact: str) -> WriteFailed | None:
+    """A WriteFailed for an OSError of WRITE_ERRNOS (its file, else `default`), or None for any other error."""
+    if e.errno not in WRITE_ERRNOS:
+        return None
+    return WriteFailed(e.filename or default, e.strerror or str(e), intact)
+
+
+@contextlib.contextmanager
+def names_file(path: Path | str):
+    """An OSError raised inside names `path` when it names no file (a write() on an open file does not)."""
+    try:
+        yield
+    except OSError as e:
+        if e.filename is None:
+            e.filename = str(path)
+        raise
+
+
 def temp_path(path: Path) -> Path:
     return path.with_name(f".{path.name}.tmp{os.getpid()}")
 
@@ -82,7 +112,7 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp, f = create_temp(path)
     try:
-        with f:
+        with names_file(path), f:
             f.write(data)
             fsync_file(f)
         os.replace(tmp, path)  # replaces a link at `path` itself, never its target
@@ -137,7 +167,8 @@ def write_output(path: Path, data: bytes | str, *, force: bool = False, flag: st
     try:
         atomic_write_bytes(path, data.encode("utf-8") if isinstance(data, str) else data)
     except OSError as e:
-        raise RwkvxError(f"cannot write {path}: {e.strerror}") from None
+        before = "the file that was there is unchanged" if Path(path).exists() else "nothing was written there"
+        raise RwkvxError(f"cannot write {path}: {e.strerror or e}; {before}") from None
     return Path(path)
 
 

@@ -69,10 +69,11 @@ class OneLineErrors(TyperGroup):
         except typer.Abort:
             err.print("[bold red]aborted[/]")
             sys.exit(1)
-        if code == 130 and signals.was_terminated():  # SIGTERM while typer parsed: it says 130
+        if code == 130:  # a KeyboardInterrupt: in a command (reports_errors), or while typer parsed
             signals.ignore_stop_signals()
-            err.print("[bold red]terminated[/]")
-            sys.exit(143)
+            terminated = signals.was_terminated()  # SIGTERM unwinds as one too
+            err.print("[bold red]terminated[/]" if terminated else "[bold red]interrupted[/]")
+            sys.exit(143 if terminated else 130)
         sys.exit(code if isinstance(code, int) else 0)
 
 
@@ -91,8 +92,7 @@ def reports_errors(fn):
             err.print("[bold red]terminated[/]")
             raise typer.Exit(143) from None
         except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
-            err.print("[bold red]interrupted[/]")
-            raise typer.Exit(130) from None
+            raise typer.Exit(130) from None  # OneLineErrors says "interrupted", as for one met while parsing
         except MemoryError:
             one_line_error("out of memory; make the model, batch or shape smaller")
             raise typer.Exit(1) from None

@@ -183,3 +183,80 @@ def test_gradcheck_all_with_a_backend_skips_the_ops_without_it(monkeypatch):
     assert "PASS toyscan" in result.stdout and "toyother" not in result.stdout
     result = invoke("gradcheck", "--op", "all", "--backend", "nosuch")
     assert result.exit_code == 2 and "no op has such a backend" in result.stderr
+
+
+# -- Ctrl-C while the command starts -----------------------------------------------------------------------------------
+# A sitecustomize on PYTHONPATH that sends this process SIGINT when it first imports `module`: the Ctrl-C of a user
+# who presses it while Python imports the command line, at a point chosen exactly, not by a timer.
+SIGINT_ON_IMPORT = """
+import os, signal, sys
+
+class _Interrupt:
+    def find_spec(self, name, path=None, target=None):
+        if name == {module!r}:
+            sys.meta_path.remove(self)
+            os.kill(os.getpid(), signal.SIGINT)
+        return None
+
+sys.meta_path.insert(0, _Interrupt())
+"""
+
+
+def _interrupted_at_import(tmp_path, module: str, *command: str):
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    (tmp_path / "sitecustomize.py").write_text(SIGINT_ON_IMPORT.format(module=module))
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(tmp_path), str(root)])}
+    return subprocess.run([sys.executable, *command], env=env, capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("module", ["typer", "rich.table", "typer.rich_utils"])
+def test_ctrl_c_while_the_command_imports_is_one_line_exit_130(tmp_path, module):
+    """typer and rich.table are imported with the command line, typer.rich_utils while typer renders the help."""
+    done = _interrupted_at_import(tmp_path, module, "-m", "rwkvx_cli", "train", "--help")
+    assert (done.returncode, done.stderr, done.stdout) == (130, "interrupted\n", "")
+
+
+def test_ctrl_c_while_the_console_script_imports_is_one_line_exit_130(tmp_path):
+    """The `rwkvx` script pip writes: it imports rwkvx_cli.cli, then calls main()."""
+    script = "import sys; sys.argv[0] = '/venv/bin/rwkvx'; from rwkvx_cli.cli import main; sys.exit(main())"
+    done = _interrupted_at_import(tmp_path, "typer", "-c", script, "--version")
+    assert (done.returncode, done.stderr) == (130, "interrupted\n")
+
+
+def test_a_program_that_imports_the_package_keeps_pythons_ctrl_c(tmp_path):
+    import signal
+
+    done = _interrupted_at_import(tmp_path, "typer", "-c", "import rwkvx_cli.cli")
+    assert done.returncode == -signal.SIGINT and done.stderr.endswith("KeyboardInterrupt\n")
+
+
+def test_every_numeric_option_of_data_prepare_and_merge_states_its_range(tmp_path):
+    """Each numeric option has a range (shown in --help) and refuses a value outside it in one line, exit 2,
+    nothing written."""
+    import inspect
+    import typing
+
+    from rwkvx_cli.cli import data_merge, data_prepare
+
+    (tmp_path / "a.txt").write_text("some text\n")
+    walked = []
+    for name, fn in (("prepare", data_prepare), ("merge", data_merge)):
+        for pname, hint in typing.get_type_hints(inspect.unwrap(fn), include_extras=True).items():
+            base, *meta = typing.get_args(hint) if typing.get_origin(hint) is typing.Annotated else (hint,)
+            if not {int, float} & ({base} | set(typing.get_args(base))):
+                continue
+            info = next((m for m in meta if hasattr(m, "min")), None)
+            assert info is not None and info.min is not None, f"{name} {pname}: no stated range"
+            flag = next(iter(info.param_decls or ()), "--" + pname.replace("_", "-"))
+            for value in [info.min - 1] + ([info.max + 1] if info.max is not None else []):
+                result = invoke("data", name, str(tmp_path / "a.txt"), "--out", str(tmp_path / "o"), flag, str(value))
+                assert result.exit_code == 2, (flag, value, result.output)
+                assert f"Invalid value for '{flag}'" in result.output and result.output.count("\n") == 1, result.output
+                assert not (tmp_path / "o").exists()
+            walked.append(flag)
+    assert {"--seed", "--vocab-size", "--val-fraction", "--workers", "--num-shards", "--eod-id"} <= set(walked)

@@ -1,5 +1,6 @@
 import dataclasses
 import os
+import typing
 from pathlib import Path
 
 import pytest
@@ -194,3 +195,46 @@ def test_resolve_paths_makes_every_path_absolute_and_keeps_names_and_links(tmp_p
     mixed = resolve_paths(load_config(None, ["data.mix=[{path: m, weight: 1}]", "data.tokenizer=byte"]))
     assert mixed.data.mix[0].path == str(tmp_path / "m") and mixed.data.corpus == ["data/tinyshakespeare.txt"]
     mixed.validate(mixed.written)  # the unused corpus stays the default: still one source of data
+
+
+# Numeric fields any value of which is valid, and why.
+UNBOUNDED = {"model.moba_top_k": "<= 0 means every earlier chunk"}
+# Above-range values of the fields with an upper bound.
+ABOVE = {
+    "model.n_layer": 10_001,
+    "model.vocab_size": 2**31,
+    "data.bpe_vocab_size": 2**31,
+    "data.eod_id": 2**31 - 1,
+    "data.val_fraction": 1.0,
+    "train.seed": 2**63,
+}
+
+
+def _numeric_fields():
+    for section, cls in (("model", ModelConfig), ("data", DataConfig), ("train", TrainConfig)):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            if hints[f.name] in (int, float) and f"{section}.{f.name}" not in UNBOUNDED:
+                yield f"{section}.{f.name}", hints[f.name]
+
+
+def test_every_numeric_field_refuses_what_is_outside_its_range():
+    """Each numeric field states its range and refuses a value below it (and above it, where it has a top), in one
+    line naming the field."""
+    walked = 0
+    for name, tp in _numeric_fields():
+        values = [tp(-(10**6))] + ([ABOVE[name]] if name in ABOVE else [])
+        for value in values:
+            with pytest.raises(ConfigError) as e:
+                load_config(None, [f"{name}={value}"])
+            message = str(e.value)
+            assert message.startswith(f"{name}: ") and "\n" not in message, (name, value, message)
+            assert any(w in message for w in ("must", "above")), message
+        walked += 1
+    assert walked >= 30
+    assert set(ABOVE) <= {n for n, _ in _numeric_fields()}
+    for value in ("-1", "2"):  # tuple and list fields: betas; a mixture's weight
+        with pytest.raises(ConfigError, match=r"^train\.betas: must be in \[0, 1\)"):
+            load_config(None, [f"train.betas=[0.9, {value}]"])
+    with pytest.raises(ConfigError, match=r"^data\.mix\[0\]\.weight: must be >= 0"):
+        load_config(None, ["data.mix=[{path: d, weight: -1}]"])

@@ -258,6 +258,8 @@ def record_field(line: bytes, field: str):
             obj = json.loads(line)
         except ValueError as e:
             raise ValueError(f"not valid JSON ({e})") from None
+        except RecursionError:  # json's parser recurses per level: [[[...]]] deeper than Python's stack
+            raise ValueError("not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise ValueError(f'expected a JSON object with a string "{field}" field')
     return obj.get(field)

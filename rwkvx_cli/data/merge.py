@@ -19,10 +19,18 @@ from pathlib import Path
 
 import numpy as np
 
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, BinIdx, copy_range, replacing, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, BinIdx, binidx_paths, copy_range, replacing, write_index
 from rwkvx_cli.data.prepared import open_prepared
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
+from rwkvx_cli.fsio import (
+    DATA_MARKER,
+    atomic_write_text,
+    check_writable_dir,
+    claim_dir,
+    fsync_file,
+    names_file,
+    write_failure,
+)
 
 _SUMMED = ("documents", "bytes", "text_bytes", "tokens", "skipped_records")
 
@@ -40,29 +48,40 @@ class MergeStats:
 def merge_prepared(paths: str | os.PathLike | Sequence[str | os.PathLike], out_dir: str | os.PathLike) -> MergeStats:
     """Write the prepared directories `paths` (a list, a directory or a glob, as `open_prepared` takes them) as one
     prepared directory `out_dir`. Refuses an `out_dir` rwkvx did not make, or one of the inputs."""
-    from rwkvx_cli.data.prepare import _hold, _prepared_here
+    from rwkvx_cli.data.prepare import _hold, _prepared_here, remove_stale_temps
 
     corpus = open_prepared(paths)
     out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
     resolved = Path(os.path.abspath(out_dir))
     if any(Path(os.path.abspath(d)) == resolved for d in corpus.dirs):
         raise UsageError(f"{out_dir} is one of the directories to merge; name a new one")
-    claim_dir(out_dir, DATA_MARKER)
+    try:
+        claim_dir(out_dir, DATA_MARKER)
+    except OSError as e:
+        raise write_failure(e, out_dir, f"the directories merged are intact; nothing is in {out_dir}") or e from None
     with _hold(out_dir):
-        (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
-        counts = {"train": _concatenate(out_dir / "train", corpus.train, corpus.dtype),
-                  "val": _concatenate(out_dir / "val", corpus.val_parts, corpus.dtype)}
-        shutil.copyfile(corpus.dirs[0] / "tokenizer.json", out_dir / "tokenizer.json")
-        meta = _merged_meta(corpus.dirs, corpus.metas, counts)
-        atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: the directory is complete
+        try:
+            (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
+            remove_stale_temps(out_dir)  # left by a killed prepare or merge
+            counts = {"train": _concatenate(out_dir / "train", corpus.train, corpus.dtype),
+                      "val": _concatenate(out_dir / "val", corpus.val_parts, corpus.dtype)}
+            with names_file(out_dir / "tokenizer.json"):
+                shutil.copyfile(corpus.dirs[0] / "tokenizer.json", out_dir / "tokenizer.json")
+            meta = _merged_meta(corpus.dirs, corpus.metas, counts)
+            atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")  # last: it is complete
+        except OSError as e:  # a full disk: say where, and that the inputs are whole
+            intact = f"the directories merged are intact; {out_dir} holds no finished merge (no meta.json): " \
+                "free space and merge again"
+            raise write_failure(e, out_dir, intact) or e from None
     (train_docs, train_tokens), (val_docs, val_tokens) = counts["train"], counts["val"]
     return MergeStats(out_dir, len(corpus.dirs), train_tokens, val_tokens, train_docs, val_docs)
 
 
 def _concatenate(prefix: Path, opened: list[BinIdx], dtype: np.dtype) -> tuple[int, int]:
     """Write the opened binidx pairs one after another as `prefix`; returns (documents, tokens)."""
+    bin_path, idx_path = binidx_paths(prefix)
     with replacing(prefix) as (tmp_bin, tmp_idx):
-        with open(tmp_bin, "wb") as dst:
+        with names_file(bin_path), open(tmp_bin, "wb") as dst:
             for data in opened:  # the splits open_prepared checked and mapped
                 with open(data.bin_path, "rb") as src:
                     copy_range(src.fileno(), dst.fileno(), 0, len(data.tokens) * dtype.itemsize)
@@ -74,7 +93,8 @@ def _concatenate(prefix: Path, opened: list[BinIdx], dtype: np.dtype) -> tuple[i
                 for a in range(0, len(d.doc_sizes), _WRITE_CHUNK):
                     yield np.asarray(d.doc_sizes[a : a + _WRITE_CHUNK], dtype=np.int64)
 
-        write_index(tmp_idx, dtype, n, sizes)
+        with names_file(idx_path):
+            write_index(tmp_idx, dtype, n, sizes)
     return n, sum(len(d.tokens) for d in opened)
 
 

@@ -32,12 +32,14 @@ import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
+from glob import escape as glob_escape
 from pathlib import Path
 
 import numpy as np
 
+from rwkvx_cli.config import MAX_SEED
 from rwkvx_cli.data import corpus
-from rwkvx_cli.data.binidx import _WRITE_CHUNK, copy_range, dtype_for_vocab, replacing, write_index
+from rwkvx_cli.data.binidx import _WRITE_CHUNK, binidx_paths, copy_range, dtype_for_vocab, replacing, write_index
 from rwkvx_cli.data.cuts import rule_for
 from rwkvx_cli.data.encode import (
     Encoder,
@@ -55,9 +57,17 @@ from rwkvx_cli.data.encode import (
 )
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
-from rwkvx_cli.data.tokenizer import NAMES, load_tokenizer, train_tokenizer
+from rwkvx_cli.data.tokenizer import NAMES, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.fsio import DATA_MARKER, atomic_write_text, check_writable_dir, claim_dir, fsync_file
+from rwkvx_cli.fsio import (
+    DATA_MARKER,
+    atomic_write_text,
+    check_writable_dir,
+    claim_dir,
+    fsync_file,
+    names_file,
+    write_failure,
+)
 
 try:
     import fcntl
@@ -173,6 +183,9 @@ def prepare(
         raise UsageError("prepare needs at least one input file")
     workers = default_workers() if workers is None else workers
     _check_options(workers, num_shards, shard_index, batch_bytes, unit_bytes, tokenizer_kind)
+    _check_seed(seed)
+    if tokenizer_kind == "bpe" and vocab_size is not None:
+        check_bpe_vocab_size(vocab_size)  # before the corpus is read to train it
     inputs = corpus.expand_inputs(inputs)
     out_dir = check_writable_dir(out_dir, DATA_MARKER, _prepared_here, "data directory")
     sizes = [p.stat().st_size for p in inputs]
@@ -225,14 +238,17 @@ def prepare(
         world_table=tuple(tok.table) if tok.kind == "world" else None,
     )
 
-    claim_dir(out_dir, DATA_MARKER)
+    try:
+        claim_dir(out_dir, DATA_MARKER)
+    except OSError as e:
+        raise write_failure(e, out_dir, f"nothing of this preparation is in {out_dir}") or e from None
     with _hold(out_dir):
         state = _load_state(work, job) if resume else None  # a refusal here keeps the partial preparation
         if state is not None and (state["dtype"] != dtype.name or state["rule"] != rule.name):
             raise UsageError(f"cannot resume {out_dir}: its tokenizer now gives other tokens; run without resume")
         try:
             (out_dir / "meta.json").unlink(missing_ok=True)  # an older one must not vouch for a half-rewritten dir
-            _remove_stale_streams(out_dir)
+            remove_stale_temps(out_dir)
             if state is None:
                 shutil.rmtree(work, ignore_errors=True)
                 work.mkdir()
@@ -260,6 +276,12 @@ def prepare(
             if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
                 (out_dir / DATA_MARKER).unlink()
             raise
+        except OSError as e:  # a full disk: say where, and what a resume keeps
+            kept = f"what was tokenized is kept in {work}: free space and run again with --resume"
+            if not (work / "state.json").is_file():
+                kept = "free space and run again"
+            intact = f"{out_dir} holds no finished preparation (no meta.json); {kept}"
+            raise write_failure(e, out_dir, intact) or e from None
     shutil.rmtree(work, ignore_errors=True)
     return stats
 
@@ -335,7 +357,7 @@ def _load_state(work: Path, job: dict) -> dict | None:
     an error: resuming it would mix two corpora."""
     try:
         state = json.loads((work / "state.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return None
     if not isinstance(state, dict) or state.get("format") != STATE_FORMAT:
         return None
@@ -379,7 +401,7 @@ class _Tokenizing:
                 f = open(self.work / name, "ab")
                 f.truncate(size)  # a unit that was not finished is read again
                 handles[name] = f
-            syncer = _Syncer(self.work, [f.fileno() for f in handles.values()])
+            syncer = _Syncer(self.work, [f.fileno() for f in handles.values()], [f.name for f in handles.values()])
             self._report()
             items = self._items(spec, batch_bytes, n_workers)
             with _one_core():  # this process tokenizes too: one core
@@ -422,7 +444,8 @@ class _Tokenizing:
                 raise DataError(result.message)
             if isinstance(result, UnitEnd):
                 for f in handles.values():
-                    f.flush()
+                    with names_file(f.name):
+                        f.flush()
                 st["units_done"] = ui + 1
                 syncer.submit(st)
                 unit_lines = 0
@@ -436,7 +459,8 @@ class _Tokenizing:
             st["text_bytes"] += result.text_bytes
             unit_lines += result.lines
             n = len(result.tokens) // item
-            tokens_f.write(result.tokens)
+            with names_file(tokens_f.name):
+                tokens_f.write(result.tokens)
             if st["documents"] == 0 and result.cuts:  # the first document's line cuts: where a lone one may split
                 cuts_f.write((np.asarray(result.cuts, dtype="<i8") + st["tokens"]).tobytes())
                 st["cuts"] += len(result.cuts)
@@ -485,8 +509,9 @@ class _Syncer:
     newest state matters, so one not yet written is replaced by a newer one. An OSError is raised at the next submit
     or at close."""
 
-    def __init__(self, work: Path, fds: list[int]):
+    def __init__(self, work: Path, fds: list[int], names: list[str] | None = None):
         self._work, self._fds = work, fds
+        self._names = names or [None] * len(fds)  # the files of `fds`, for an error's message
         self._cond = threading.Condition()
         self._pending: str | None = None  # state.json's text
         self._closing = False
@@ -528,8 +553,9 @@ class _Syncer:
             if text is None:
                 return
             try:
-                for fd in self._fds:
-                    os.fsync(fd)
+                for fd, name in zip(self._fds, self._names, strict=True):
+                    with names_file(name) if name else contextlib.nullcontext():
+                        os.fsync(fd)
                 atomic_write_text(self._work / "state.json", text)
             except OSError as e:
                 self._error = e
@@ -602,7 +628,8 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
 
     n_keep = sum(int(np.count_nonzero(keep(a))) for a in chunks)
     tokens = 0
-    with replacing(prefix) as (tmp_bin, tmp_idx):
+    bin_path, idx_path = binidx_paths(prefix)
+    with replacing(prefix) as (tmp_bin, tmp_idx), names_file(bin_path):
         whole = mask is None and skip == 0 and n and int(np.sum(sizes)) * item == stream.stat().st_size
         if whole:
             tmp_bin.unlink(missing_ok=True)
@@ -622,7 +649,8 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
                         tokens += length
                     at = int(ends[-1]) if len(part) else at
                 fsync_file(dst)
-        write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
+        with names_file(idx_path):
+            write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
     return n_keep, tokens
 
 
@@ -707,7 +735,7 @@ def _prepared_here(out_dir: Path) -> bool:
         return True
     try:
         meta = json.loads((out_dir / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return False
     return isinstance(meta, dict) and meta.get("format") == META_FORMAT
 
@@ -723,7 +751,7 @@ def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> di
         meta = json.loads(path.read_text(encoding="utf-8"))
     except OSError as e:
         raise DataError(f"{path} cannot be read: {e.strerror}") from None
-    except ValueError:
+    except (ValueError, RecursionError):
         raise DataError(f"{path} is not valid JSON (damaged?); prepare the data again") from None
     if not isinstance(meta, dict) or meta.get("format") != META_FORMAT:
         raise DataError(f"{path} is not an rwkvx prepared-data description; prepare the data again")
@@ -751,12 +779,26 @@ def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> di
     return meta
 
 
-def _remove_stale_streams(out_dir: Path) -> None:
-    """Token streams left by a prepare that was killed (its pid is gone) are removed."""
-    for p in out_dir.glob(".tokens.tmp*"):
-        pid = p.name[len(".tokens.tmp") :]
-        if pid.isdigit() and not _alive(int(pid)):
-            p.unlink(missing_ok=True)
+# The files of a prepared directory that only a holder of its lock (_hold: prepare, merge) writes.
+_LOCKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json")
+# Every file rwkvx writes there under a temporary name (fsio.temp_path: .NAME.tmpPID); "tokens": an older
+# prepare's token stream.
+_OWN_FILES = (*_LOCKED_FILES, "tokenizer.json", "source.json", DATA_MARKER, "tokens")
+
+
+def remove_stale_temps(out_dir: Path) -> None:
+    """Remove the temporary files an earlier rwkvx process left in `out_dir`, a directory rwkvx marked, when it was
+    killed (kill -9 while writing train.bin leaves a second copy of it). Called with the directory's lock held
+    (_hold): the temporary files of the locked outputs are then another process's that no longer holds it; any
+    other of rwkvx's only when its pid is gone. Nothing else is touched."""
+    mine = str(os.getpid())
+    for name in _OWN_FILES:
+        prefix = f".{name}.tmp"
+        for p in out_dir.glob(f"{glob_escape(prefix)}*"):
+            pid = p.name[len(prefix) :]
+            if pid.isdigit() and pid != mine and (name in _LOCKED_FILES or not _alive(int(pid))):
+                with contextlib.suppress(FileNotFoundError):
+                    p.unlink()
 
 
 def _alive(pid: int) -> bool:
@@ -767,6 +809,11 @@ def _alive(pid: int) -> bool:
     except (PermissionError, OverflowError):
         return True
     return True
+
+
+def _check_seed(seed) -> None:
+    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or not 0 <= seed <= MAX_SEED:
+        raise UsageError(f"seed must be an integer from 0 to {MAX_SEED}, got {seed!r}")
 
 
 def _check_val_fraction(val_fraction) -> None:

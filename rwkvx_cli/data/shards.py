@@ -12,7 +12,6 @@ unit. `prepare --resume` continues after the last unit it finished.
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 from dataclasses import dataclass
@@ -44,8 +43,8 @@ def plan_units(
 ) -> list[Unit]:
     """The units of shard `shard_index` of `num_shards`, in corpus order."""
     total = sum(sizes)
-    bounds = [total * i // num_shards for i in range(num_shards + 1)]
-    lo, hi = bounds[shard_index], bounds[shard_index + 1]
+    lo, hi = total * shard_index // num_shards, total * (shard_index + 1) // num_shards  # any K: no list of bounds
+    last = shard_index == num_shards - 1
     units: list[Unit] = []
     at = 0
     for k, (path, size) in enumerate(zip(inputs, sizes, strict=True)):
@@ -56,9 +55,8 @@ def plan_units(
             for u in range(a, b, unit_bytes):
                 units.append(Unit(k, u, min(b, u + unit_bytes)))
         else:
-            middle = start + size // 2
-            owner = min(bisect.bisect_right(bounds, middle) - 1, num_shards - 1)
-            if owner == shard_index:
+            middle = start + size // 2  # its owner: the last shard starting at or before it
+            if lo <= middle and (middle < hi or last):
                 units.append(Unit(k, 0, size))
     return units
 

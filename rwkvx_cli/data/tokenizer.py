@@ -17,6 +17,7 @@ from pathlib import Path
 
 import numpy as np
 
+from rwkvx_cli.config import MAX_VOCAB, MIN_BPE_VOCAB
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.world import WorldTokenizer
 from rwkvx_cli.errors import UsageError
@@ -63,6 +64,17 @@ class ByteTokenizer:
         return "ByteTokenizer(vocab_size=257)"
 
 
+def check_bpe_vocab_size(vocab_size) -> None:
+    """A BPE vocabulary size to train: an integer from MIN_BPE_VOCAB to MAX_VOCAB, else a UsageError."""
+    if isinstance(vocab_size, bool) or not isinstance(vocab_size, int) or not (
+        MIN_BPE_VOCAB <= vocab_size <= MAX_VOCAB
+    ):
+        raise UsageError(
+            f"BPE vocab_size must be an integer at least {MIN_BPE_VOCAB} (256 bytes + {EOD_TOKEN}) and at most "
+            f"{MAX_VOCAB:,} (int32 ids), got {vocab_size!r}"
+        )
+
+
 class BPETokenizer:
     """A HuggingFace `tokenizers` tokenizer whose `eod_id` (default 0) is a special end-of-document token.
 
@@ -107,11 +119,8 @@ class BPETokenizer:
         """Byte-level BPE with `vocab_size` entries (fewer if the text runs out of merges); offline."""
         from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+        check_bpe_vocab_size(vocab_size)
         alphabet = pre_tokenizers.ByteLevel.alphabet()
-        if vocab_size < len(alphabet) + 1:
-            raise UsageError(
-                f"BPE vocab_size must be at least {len(alphabet) + 1} (256 bytes + {EOD_TOKEN}), got {vocab_size}"
-            )
         tok = Tokenizer(models.BPE())
         tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
         tok.decoder = decoders.ByteLevel()
@@ -233,6 +242,8 @@ def _read_json(path: Path) -> dict:
         obj = json.loads(_read_text(path))
     except json.JSONDecodeError as e:
         raise DataError(f"tokenizer file {path} is not valid JSON ({e})") from None
+    except RecursionError:
+        raise DataError(f"tokenizer file {path} is not valid JSON (nested too deeply)") from None
     if not isinstance(obj, dict):
         raise DataError(f"tokenizer file {path} is not a JSON object")
     return obj

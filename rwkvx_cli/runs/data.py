@@ -112,7 +112,7 @@ def check_prepared_as_asked(cfg: Config, ddir: Path) -> None:
     training on other data silently."""
     try:
         meta = json.loads((ddir / "meta.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
         return  # unreadable: open_data refuses it with its own reason
     if not isinstance(meta, dict) or "shard" in meta:
         return

@@ -59,12 +59,20 @@ def export_checkpoint(
     eps_warnings = eps_problem(ckpt.config.model, fmt, force)
     with open_tensors(ckpt.path / "model.safetensors") as source:  # verified by find_checkpoint
         warnings = eps_warnings + value_problems(source, DTYPES[dtype], str(ckpt.path), force)
-        if fmt == "hf":
-            info = export_hf(source, out, cfg=ckpt.config.model, dtype=dtype, tokenizer=_tokenizer(ckpt), force=force)
-        elif fmt == "rwkv-x":
-            info = export_rwkv_x(source, out, cfg=ckpt.config.model, dtype=dtype, force=force)
-        else:
-            info = _write_file(source, out, fmt, DTYPES[dtype], ckpt.meta)
+        try:
+            if fmt == "hf":
+                tok = _tokenizer(ckpt)
+                info = export_hf(source, out, cfg=ckpt.config.model, dtype=dtype, tokenizer=tok, force=force)
+            elif fmt == "rwkv-x":
+                info = export_rwkv_x(source, out, cfg=ckpt.config.model, dtype=dtype, force=force)
+            else:
+                info = _write_file(source, out, fmt, DTYPES[dtype], ckpt.meta)
+        except (OSError, SafetensorError) as e:  # a full disk: the temporary file or directory is gone
+            raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
+        except RuntimeError as e:  # torch.save (rwkv-x) reports a failed write as RuntimeError
+            if fmt != "rwkv-x":
+                raise
+            raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
     return {**info, "checkpoint": str(ckpt.path), "step": ckpt.step, "warnings": warnings}
 
 
@@ -110,6 +118,13 @@ def value_problems(source: TensorSource, dtype: torch.dtype, where: str, force: 
     return lines
 
 
+def _intact(out: Path) -> str:
+    """What a failed export left at `out` (it writes a temporary sibling, renamed when whole)."""
+    if out.exists():
+        return f"the {'directory' if out.is_dir() else 'file'} that was there is unchanged; the checkpoint is intact"
+    return "nothing was written there; the checkpoint is intact"
+
+
 def _names(names: list[str]) -> str:
     return ", ".join(names[:3]) + (f" +{len(names) - 3} more" if len(names) > 3 else "")
 
@@ -136,5 +151,5 @@ def _write_file(source: TensorSource, out: Path, fmt: str, dtype: torch.dtype, m
         os.replace(tmp, out)
     except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         tmp.unlink(missing_ok=True)
-        raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}") from None
+        raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
     return {"out": str(out), "format": fmt, "tensors": len(tensors)}

@@ -187,6 +187,8 @@ def read_meta(ckpt: Path) -> dict:
         meta = json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:  # UnicodeDecodeError and JSONDecodeError are ValueErrors
         raise CheckpointError(f"{path} is unreadable: {e}") from None
+    except RecursionError:
+        raise CheckpointError(f"{path} is unreadable: nested too deeply") from None
     if not isinstance(meta, dict):
         raise CheckpointError(f"{path} is not a JSON object")
     step, config = meta.get("step"), meta.get("config")

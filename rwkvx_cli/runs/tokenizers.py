@@ -20,7 +20,7 @@ def dir_tokenizer(ddir: Path):
     try:
         meta = json.loads((Path(ddir) / "meta.json").read_text())
         eod_id = meta["tokenizer"]["eod_id"]
-    except (OSError, ValueError, KeyError, TypeError):
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
         pass  # an older meta.json: the default id
     return load_tokenizer(Path(ddir) / TOKENIZER_FILE, eod_id=eod_id if isinstance(eod_id, int) else None)
 

@@ -101,7 +101,7 @@ class MetricsLog:
         for line in self.path.read_text().splitlines():
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 continue  # a line cut short by a crash: its step is after the checkpoint
             if isinstance(row, dict) and isinstance(row.get("step"), int) and row["step"] <= step:
                 keep.append(line + "\n")

@@ -30,6 +30,15 @@ def was_terminated() -> bool:
     return _terminated
 
 
+def restore_interrupt() -> None:
+    """Ctrl-C raises KeyboardInterrupt again (the commands render it), after the package's start-up
+    handler (rwkvx_cli/__init__.py), which exits 130 in one line while the command line is imported."""
+    from rwkvx_cli import _interrupted_while_starting
+
+    if signal.getsignal(signal.SIGINT) is _interrupted_while_starting:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+
+
 def install_process_handlers() -> None:
     """For the whole process: SIGTERM raises Terminated; SIGXFSZ is ignored (EFBIG instead)."""
     if hasattr(signal, "SIGXFSZ"):

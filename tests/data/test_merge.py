@@ -67,3 +67,32 @@ def test_cli_merge(tmp_path, shards):
                          text=True)
     assert bad.returncode == 1 and bad.stderr.strip().startswith("error: ") and "missing" in bad.stderr
     assert len(bad.stderr.strip().splitlines()) == 1
+
+
+def test_a_merge_removes_what_a_killed_prepare_or_merge_left(tmp_path, shards):
+    dead = subprocess.Popen(["true"])
+    dead.wait()
+    merge_prepared(shards, tmp_path / "m")
+    left = [f".train.bin.tmp{dead.pid}", f".val.idx.tmp{dead.pid}", f".meta.json.tmp{dead.pid}"]
+    for name in left:
+        (tmp_path / "m" / name).write_bytes(b"x" * 100)  # as kill -9 mid-merge leaves them
+    merge_prepared(shards, tmp_path / "m")
+    assert not [n for n in left if (tmp_path / "m" / n).exists()]
+
+
+def test_a_full_disk_names_the_file_and_leaves_the_inputs_intact(tmp_path, shards, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as copy_file_range says it: no file named
+
+    monkeypatch.setattr("rwkvx_cli.data.merge.copy_range", full)
+    out = tmp_path / "m"
+    with pytest.raises(Exception) as e:
+        merge_prepared(shards, out)
+    assert str(e.value) == (
+        f"cannot write {out / 'train.bin'}: No space left on device; the directories merged are intact; {out} holds "
+        "no finished merge (no meta.json): free space and merge again"
+    ) and e.value.exit_code == 1
+    assert sorted(p.name for p in out.iterdir()) == [".rwkvx-data"]
+    open_prepared(shards)  # intact

@@ -1,6 +1,7 @@
 import gzip
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -284,3 +285,109 @@ def test_single_document_line_split_is_within_the_stated_tolerance(tmp_path):
     # Asked for less than a piece: no line cut is near enough, so the cut is exact (mid-line).
     small = prepare([SHAKESPEARE], tmp_path / "o2", "byte", val_fraction=300)
     assert small.split == "tokens" and small.val_tokens == 300
+
+
+def test_a_record_nested_past_the_stack_is_a_bad_record(tmp_path):
+    """json recurses per level of nesting: a record [[[...]]] tens of thousands deep is a bad record (its line
+    named), skipped and counted under skip_bad, in this process, in workers, and while a BPE trains."""
+    deep = "[" * 50_000 + "]" * 50_000
+    lines = [json.dumps({"text": f"document {i} " * 40}) for i in range(400)]
+    lines[250] = deep
+    (tmp_path / "a.jsonl").write_text("\n".join(lines) + "\n")
+    for workers in (1, 2):
+        with pytest.raises(DataError, match=r"a\.jsonl:251: not valid JSON \(nested too deeply\)"):
+            prepare([tmp_path / "a.jsonl"], tmp_path / "out", "byte", workers=workers, batch_bytes=20_000)
+        assert list((tmp_path / "out").iterdir()) == []
+        stats = prepare([tmp_path / "a.jsonl"], tmp_path / f"skip{workers}", "byte", skip_bad=True,
+                        workers=workers, batch_bytes=20_000)
+        assert stats.skipped_records == 1 and stats.documents == 399
+        assert stats.first_skipped.endswith("a.jsonl:251: not valid JSON (nested too deeply)")
+    with pytest.raises(DataError, match=r"a\.jsonl:251: not valid JSON \(nested too deeply\)"):
+        prepare([tmp_path / "a.jsonl"], tmp_path / "bpe", "bpe", vocab_size=300)
+    stats = prepare([tmp_path / "a.jsonl"], tmp_path / "bpe", "bpe", vocab_size=300, skip_bad=True)
+    assert stats.skipped_records == 1 and stats.documents == 399
+
+
+def test_options_out_of_range_are_refused_before_anything_is_written(tmp_path):
+    (tmp_path / "a.txt").write_text("some text\nand more\n")
+    out = tmp_path / "out"
+    for options, message in [
+        ({"seed": -1}, r"seed must be an integer from 0 to 9223372036854775807, got -1"),
+        ({"seed": 2**63}, r"seed must be an integer from 0 to"),
+        ({"tokenizer_kind": "bpe", "vocab_size": 10**20}, r"vocab_size must be an integer at least 257 .* got 1000"),
+        ({"tokenizer_kind": "bpe", "vocab_size": 100}, r"BPE vocab_size must be an integer at least 257"),
+    ]:
+        with pytest.raises(UsageError, match=message):
+            prepare([tmp_path / "a.txt"], out, **options)
+        assert not out.exists(), options
+    k = 10**20  # shards: planned without a list of their bounds
+    owner = -(-10 * k // 19) - 1  # the last shard starting at or before the 19-byte file's middle byte (9)
+    assert prepare([tmp_path / "a.txt"], out, seed=2**63 - 1, num_shards=k, shard_index=owner).documents == 1
+    assert prepare([tmp_path / "a.txt"], tmp_path / "o2", num_shards=k, shard_index=owner + 1).documents == 0
+
+
+_KILLED_IN_SPLIT = """
+import os, sys
+import rwkvx_cli.data.prepare
+prep = sys.modules["rwkvx_cli.data.prepare"]
+real = prep.write_index
+def write_then_die(path, *args):
+    real(path, *args)
+    if path.name.startswith(".train.idx.tmp"):  # train's pair is written under temporary names, not renamed: kill -9
+        os.kill(os.getpid(), 9)
+prep.write_index = write_then_die
+prep.prepare([sys.argv[1]], sys.argv[2], "byte", workers=1)
+"""
+
+
+def test_a_prepare_killed_while_splitting_leaves_no_temporary_file_after_resume(tmp_path):
+    """kill -9 after tokenizing, while the split writes train.bin under its temporary name: the resume, or a fresh
+    prepare into the directory, finishes and removes what the killed process left (a second train.bin at corpus
+    scale); a live process's temporary files, and files not rwkvx's, are kept."""
+
+    _write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 30 for i in range(50)])
+    out = tmp_path / "out"
+    killed = subprocess.Popen([sys.executable, "-c", _KILLED_IN_SPLIT, str(tmp_path / "a.jsonl"), str(out)])
+    assert killed.wait() == -9
+    assert (out / f".train.bin.tmp{killed.pid}").exists() and not (out / "meta.json").exists()
+    stats = prepare([tmp_path / "a.jsonl"], out, "byte", workers=1, resume=True)
+    assert stats.resumed_bytes == stats.bytes  # resumed after tokenizing
+    assert sorted(p.name for p in out.iterdir()) == sorted([".rwkvx-data", *FILES])
+    dead = killed.pid
+    planted = [f".val.idx.tmp{dead}", f".meta.json.tmp{dead}", f".tokenizer.json.tmp{dead}", f".tokens.tmp{dead}",
+               f"..rwkvx-data.tmp{dead}", ".train.bin.tmp1"]  # pid 1 lives, but it cannot hold this directory's lock
+    kept = [".tokenizer.json.tmp1", f".notes.tmp{dead}", f"train.bin.tmp{dead}"]  # a live pid's; not rwkvx's names
+    for name in planted + kept:
+        (out / name).write_bytes(b"x")
+    prepare([tmp_path / "a.jsonl"], out, "byte", workers=1)  # a fresh prepare into the marked directory
+    assert sorted(p.name for p in out.iterdir()) == sorted([".rwkvx-data", *FILES, *kept])
+
+
+FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json", "tokenizer.json")
+
+
+def test_a_full_disk_names_the_file_and_what_a_resume_keeps(tmp_path, monkeypatch):
+    import errno
+
+    from typer.testing import CliRunner
+
+    from rwkvx_cli.cli import app
+
+    prep = sys.modules["rwkvx_cli.data.prepare"]
+    _write_jsonl(tmp_path / "a.jsonl", [f"document {i} " * 30 for i in range(50)])
+    out = tmp_path / "out"
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")  # as a write() says it: no file named
+
+    with monkeypatch.context() as m:
+        m.setattr(prep, "write_index", full)
+        result = CliRunner().invoke(app, ["data", "prepare", str(tmp_path / "a.jsonl"), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip().splitlines()[-1] == (  # after the progress line
+        f"error: cannot write {out / 'train.idx'}: No space left on device; {out} holds no finished preparation (no "
+        f"meta.json); what was tokenized is kept in {out / '.prepare'}: free space and run again with --resume"
+    )
+    assert not list(out.glob(".*.tmp*"))  # no temporary file left
+    stats = prepare([tmp_path / "a.jsonl"], out, resume=True)
+    assert stats.resumed_bytes == stats.bytes and (out / "meta.json").exists()

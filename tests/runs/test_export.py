@@ -142,3 +142,28 @@ def test_a_checkpoint_from_before_ln_x_eps_loads_with_the_default(tmp_path):
     assert sizes.ln_x_eps is None  # the config's own (the default) stays
     result = export(tmp_path / "run", "rwkv-lm", tmp_path / "m.pth")
     assert result.exit_code == 0, result.output
+
+
+def test_a_full_disk_names_the_output_and_what_is_intact(trained_like_run, tmp_path, monkeypatch):
+    import errno
+
+    def full(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    run, _ = trained_like_run
+    out = tmp_path / "m.pth"
+    monkeypatch.setattr("rwkvx_cli.runs.export.torch.save", full)
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(out)])
+    assert result.exit_code == 1, result.output
+    assert result.stderr.strip() == (
+        f"error: cannot write {out}: No space left on device; nothing was written there; the checkpoint is intact"
+    )
+    assert list(tmp_path.iterdir()) == [run]  # no temporary file left
+    out.write_bytes(b"an earlier export")
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(out), "--force"])
+    assert result.exit_code == 1 and "the file that was there is unchanged" in result.stderr
+    assert out.read_bytes() == b"an earlier export"
+    monkeypatch.setattr("rwkvx_cli.runs.formats.hf.write_shards", full)  # the hf directory's safetensors
+    result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf")])
+    assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
+    assert result.stderr.strip().startswith(f"error: cannot write {tmp_path / 'hf'}: No space left on device; nothing")

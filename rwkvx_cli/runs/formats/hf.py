@@ -267,6 +267,8 @@ def read_hf_config(path: Path) -> dict:
         cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
     except (OSError, ValueError) as e:
         raise FormatError(f"{Path(path) / 'config.json'} is missing or not JSON ({e})") from None
+    except RecursionError:
+        raise FormatError(f"{Path(path) / 'config.json'} is not JSON (nested too deeply)") from None
     if not isinstance(cfg, dict):
         raise FormatError(f"{Path(path) / 'config.json'} is not a JSON object")
     return cfg

@@ -135,7 +135,7 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
             header = json.loads(f.read(n))
     except OSError as e:
         raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError):
+    except (ValueError, UnicodeDecodeError, RecursionError):
         raise FormatError(f"{path} is not a safetensors file (its header is not JSON)") from None
     if not isinstance(header, dict):
         raise FormatError(f"{path} is not a safetensors file (its header is not an object)")
@@ -385,7 +385,7 @@ def hf_shards(path: Path) -> list[Path]:
     try:
         weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
         files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         raise FormatError(f"{index} is not a safetensors index (no weight_map)") from None
     for f in files:
         if Path(f).name != f or not (path / f).is_file():
