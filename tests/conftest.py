@@ -10,7 +10,24 @@ torch.set_num_threads(min(2, torch.get_num_threads()))
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+import signal  # noqa: E402
+
 import pytest  # noqa: E402
+
+
+@pytest.fixture(autouse=True)
+def _signal_dispositions():
+    """Each test gets back the process's SIGINT/SIGTERM handlers and signal mask. Commands run in this process
+    (typer's CliRunner) install their own, and one that ends as an interrupted command does ignores further
+    stop signals (train/signals.py: ignore_stop_signals); a later test's subprocess would inherit SIG_IGN and
+    never see the Ctrl-C it sends itself."""
+    handlers = {sig: signal.getsignal(sig) for sig in (signal.SIGINT, signal.SIGTERM)}
+    mask = signal.pthread_sigmask(signal.SIG_BLOCK, set())
+    yield
+    for sig, handler in handlers.items():
+        if handler is not None:
+            signal.signal(sig, handler)
+    signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
-from rwkvx_cli.config import Config, config_from_dict
+from rwkvx_cli.config import Config, ConfigError, config_from_dict
 from rwkvx_cli.models import LM
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.layout import run_dir_of
@@ -66,7 +66,11 @@ def find_checkpoint(path: Path | str, on_skip: OnSkip | None = None) -> Checkpoi
     """The checkpoint `path` names; `on_skip(path, reason)` hears of each damaged newer checkpoint
     of a run passed over for an older one."""
     found, meta = store.resolve_checkpoint(Path(path), on_skip)
-    return Checkpoint(found, meta, config_from_dict(meta["config"]))
+    try:
+        config = config_from_dict(meta["config"])
+    except ConfigError as e:  # the file's, not the command line's: a damaged (or forged) checkpoint, exit 1
+        raise store.CheckpointError(f"{found / 'meta.json'}: its config is not valid: {e}") from None
+    return Checkpoint(found, meta, config)
 
 
 def open_checkpoint(

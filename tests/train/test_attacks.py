@@ -329,7 +329,12 @@ def test_a_forged_vocabulary_in_meta_json_is_refused_before_allocating(trained, 
     (ckpt / "meta.json").write_text(json.dumps(meta))
     for command in (["eval"], ["explain", "--text", "hi"]):
         line = one_line_error(invoke(*command, "--checkpoint", ckpt), 1)
-        assert "needs at least" in line and "GiB" in line
+        assert "meta.json: its config is not valid: model.vocab_size: must be from 2 to" in line, line
+    meta["config"]["model"]["vocab_size"] = 2**31 - 1  # in range, but no machine holds its embedding
+    (ckpt / "meta.json").write_text(json.dumps(meta))
+    for command in (["eval"], ["explain", "--text", "hi"]):
+        line = one_line_error(invoke(*command, "--checkpoint", ckpt), 1)
+        assert "needs at least" in line and "GiB" in line, line
 
 
 def test_a_dangling_link_as_run_dir_and_a_home_relative_path(tmp_path, corpus, monkeypatch):

@@ -294,7 +294,7 @@ def test_sizes_that_cannot_fit_are_refused_with_the_estimate(tmp_path, corpus, m
     monkeypatch.delenv("RWKVX_NO_MEMORY_CHECK", raising=False)
     cases = [
         ["init", *tiny_args(tmp_path / "a", corpus, "model.n_embd=1048576", "model.head_size=64")],
-        ["init", *tiny_args(tmp_path / "b", corpus, "model.n_layer=100000", "model.n_embd=4096")],
+        ["init", *tiny_args(tmp_path / "b", corpus, "model.n_layer=10000", "model.n_embd=4096")],
         ["train", *tiny_args(tmp_path / "c", corpus, "train.micro_batch=100000000")],
         ["bench", "--op", "wkv7", "--backend", "chunked", "--shape", "100000,8192,32,64"],
         ["gradcheck", "--op", "wkv7", "--backend", "reference", "--size", "1000000000"],
