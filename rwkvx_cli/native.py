@@ -90,22 +90,24 @@ def cpu_isa() -> str:
     return forced
 
 
-_LOADED: dict[tuple[Path, str, str | None], ctypes.CDLL | NativeBuildError] = {}
+# By (source path, $RWKVX_CPU_ISA as set, precision): every kernel call looks its library up here, so
+# the key is what is cheap to read (pathlib and the CPU's flags are not: microseconds a call).
+_LOADED: dict[tuple[str, str, str | None], ctypes.CDLL | NativeBuildError] = {}
 
 
 def load_library(source: Path, precision: str | None = "f32") -> ctypes.CDLL:
     """The library of `source`'s `precision` ("f32" or "f64") entry points, or of a source without
     precisions (None), compiled for cpu_isa(); a failure is remembered, so it costs one attempt per
     process."""
-    source = Path(source)
-    isa = cpu_isa()
-    key = (source, isa, precision)
-    if key not in _LOADED:
+    key = (os.fspath(source), os.environ.get(ENV, ""), precision)
+    result = _LOADED.get(key)
+    if result is None:
+        isa = cpu_isa()  # an unusable $RWKVX_CPU_ISA raises here, every time
         try:
-            _LOADED[key] = _build_and_load(source, isa, precision)
+            result = _build_and_load(Path(source), isa, precision)
         except NativeBuildError as e:
-            _LOADED[key] = e
-    result = _LOADED[key]
+            result = e
+        _LOADED[key] = result
     if isinstance(result, NativeBuildError):
         raise result
     return result

@@ -228,3 +228,36 @@ def test_a_compiled_rwkv7_model_matches_eager_forward_and_backward():
 @pytest.mark.parametrize("kind", ["rwkv4", "gdn", "kda", "rwkv8"])
 def test_a_compiled_model_of_each_other_kind_matches_eager(kind):
     check_compiled_model(kind)
+
+
+def test_eager_calls_skip_the_dispatcher_and_anything_that_could_tell_goes_through_it():
+    """A kernel op called in plain eager mode runs its body directly (ops/_cpu_op.py) and returns what the
+    dispatched op returns; under the profiler (the op count, the bench's split), a dispatch mode (fake tensors)
+    or with a tensor subclass it is the dispatched op."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from rwkvx_cli.ops import _cpu_op
+
+    w7 = [t.detach() for t in op_inputs()["wkv7"]]
+    w7[1] = torch.exp(w7[1])
+    assert _cpu_op.direct_call_allowed(w7)
+    direct = wkv7_cpu.wkv7_cpu_fwd(*w7)
+    dispatched = torch.ops.rwkvx.wkv7_cpu_fwd(*w7)
+    for a, b in zip(direct, dispatched, strict=True):
+        assert torch.equal(a, b)
+
+    with torch.profiler.profile() as prof:
+        assert not _cpu_op.direct_call_allowed(w7)
+        wkv7_cpu.wkv7_cpu_fwd(*w7)
+        channel_mix_cpu.relu2_cpu_fwd(w7[0])
+    names = {e.name for e in prof.events()}
+    assert {"rwkvx::wkv7_cpu_fwd", "rwkvx::relu2_cpu_fwd"} <= names
+
+    with FakeTensorMode() as mode:
+        fake = [mode.from_tensor(t) for t in w7]
+        assert not _cpu_op.direct_call_allowed(fake)
+        y, s_out, snaps, sas = wkv7_cpu.wkv7_cpu_fwd(*fake)  # the fake implementation: shapes, no kernel
+        assert y.shape == w7[0].shape and s_out.shape == w7[6].shape
+
+    assert not _cpu_op.direct_call_allowed([torch.nn.Parameter(w7[0])])
+    assert not _cpu_op.direct_call_allowed([[w7[0], torch.nn.Parameter(w7[0])]])  # inside a list, too

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 from rwkvx_cli.ops.channel_mix.fused import Kernels, channel_mix_with
 from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 
@@ -40,7 +41,7 @@ def _rows_cols(t: Tensor) -> tuple[int, int]:
     return (t.numel() // cols if cols else 0), cols
 
 
-@torch.library.custom_op("rwkvx::relu2_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::relu2_cpu_fwd")
 def relu2_cpu_fwd(h: Tensor) -> Tensor:
     """a = relu(h)², any shape, fp32 or fp64."""
     h = h.contiguous()
@@ -54,7 +55,7 @@ def _relu2_fwd_fake(h):
     return torch.empty_like(h, memory_format=torch.contiguous_format)
 
 
-@torch.library.custom_op("rwkvx::relu2_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::relu2_cpu_bwd")
 def relu2_cpu_bwd(da: Tensor, a: Tensor) -> Tensor:
     """dh = 2 sqrt(a) da, the gradient of relu(h)² from its output a, both of one shape and dtype."""
     da, a = da.contiguous(), a.contiguous()
@@ -69,23 +70,23 @@ def _relu2_bwd_fake(da, a):
 
 
 def _shift_fwd(x, weight, bias, mix, state, eps):
-    ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(x.to(weight.dtype), weight, bias, mix, state, eps)
+    ys, s_out, mean, rstd = shift_mix_cpu.shift_mix_cpu_fwd(x.to(weight.dtype), weight, bias, mix, state, eps)
     return ys[0], s_out, mean, rstd
 
 
 def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
     x = x.to(weight.dtype)
-    return torch.ops.rwkvx.shift_mix_cpu_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+    return shift_mix_cpu.shift_mix_cpu_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
 
 
 # Under bf16 autocast h and a are bf16 (the matmuls' dtype), which the kernels do not take: torch's
 # elementwise ops then, as the composition runs them.
 def _relu2_fwd(h):
-    return torch.ops.rwkvx.relu2_cpu_fwd(h) if h.dtype in KERNEL_DTYPES else torch.relu(h).square()
+    return relu2_cpu_fwd(h) if h.dtype in KERNEL_DTYPES else torch.relu(h).square()
 
 
 def _relu2_bwd(da, a):
-    return torch.ops.rwkvx.relu2_cpu_bwd(da, a) if a.dtype in KERNEL_DTYPES else 2 * a.sqrt() * da
+    return relu2_cpu_bwd(da, a) if a.dtype in KERNEL_DTYPES else 2 * a.sqrt() * da
 
 
 channel_mix_cpu = channel_mix_with(Kernels(_shift_fwd, _shift_bwd, _relu2_fwd, _relu2_bwd))

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a core's L2
 SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"
@@ -63,7 +64,7 @@ def _kernel(name: str, x: Tensor):
     return kernel_entry(_library, "delta", name, x)
 
 
-@torch.library.custom_op("rwkvx::delta_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::delta_cpu_fwd")
 def delta_cpu_fwd(
     q: Tensor, k: Tensor, v: Tensor, A: Tensor, beta: Tensor, state: Tensor, scale: float, chunk: int
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -89,7 +90,7 @@ def _delta_fwd_fake(q, k, v, A, beta, state, scale, chunk):
     )
 
 
-@torch.library.custom_op("rwkvx::delta_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::delta_cpu_bwd")
 def delta_cpu_bwd(
     q: Tensor,
     k: Tensor,
@@ -131,7 +132,7 @@ class _DeltaCPU(torch.autograd.Function):
         A = torch.exp(g_)  # the kernel takes the gate itself
         s0 = state.detach().to(cdt).contiguous()
         chunk = chunk_size(N, 8 if cdt == torch.float64 else 4)
-        y, s_out, snaps, w = torch.ops.rwkvx.delta_cpu_fwd(q_, k_, v_, A, beta_, s0, scale, chunk)
+        y, s_out, snaps, w = delta_cpu_fwd(q_, k_, v_, A, beta_, s0, scale, chunk)
         ctx.save_for_backward(q_, k_, A, beta_, snaps, w)
         ctx.scale, ctx.chunk = scale, chunk
         ctx.dtypes = (q.dtype, g.dtype, beta.dtype, state.dtype)
@@ -143,7 +144,7 @@ class _DeltaCPU(torch.autograd.Function):
         cdt = q_.dtype
         dy = dy.to(cdt).contiguous()
         ds_out = ds_out.to(cdt).contiguous()
-        dq, dk, dv, dg, dbeta, ds0 = torch.ops.rwkvx.delta_cpu_bwd(
+        dq, dk, dv, dg, dbeta, ds0 = delta_cpu_bwd(
             q_, k_, A, beta_, snaps, w, dy, ds_out, ctx.scale, ctx.chunk
         )
         x_dtype, g_dtype, beta_dtype, state_dtype = ctx.dtypes

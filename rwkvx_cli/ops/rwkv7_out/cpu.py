@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 SOURCE = Path(__file__).parent / "csrc" / "rwkv7_out_cpu.cpp"
 
@@ -41,7 +42,7 @@ def _threads(rows: int) -> int:
     return max(1, min(torch.get_num_threads(), rows))
 
 
-@torch.library.custom_op("rwkvx::rwkv7_out_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv7_out_cpu_fwd")
 def rwkv7_out_cpu_fwd(
     y: Tensor, bonus: Tensor, g: Tensor, weight: Tensor, bias: Tensor, eps: float
 ) -> tuple[Tensor, Tensor, Tensor]:
@@ -63,7 +64,7 @@ def _fwd_fake(y, bonus, g, weight, bias, eps):
     return y.new_empty(B, T, H, N), y.new_empty(stats, dtype=torch.float64), y.new_empty(stats, dtype=torch.float64)
 
 
-@torch.library.custom_op("rwkvx::rwkv7_out_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv7_out_cpu_bwd")
 def rwkv7_out_cpu_bwd(
     y: Tensor, bonus: Tensor, g: Tensor, weight: Tensor, bias: Tensor, mean: Tensor, rstd: Tensor, dout: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -87,7 +88,7 @@ class _Rwkv7OutCPU(torch.autograd.Function):
     def forward(ctx, y, bonus, g, weight, bias, eps):
         cdt = torch.float64 if y.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (y, bonus, g, weight, bias)]
-        out, mean, rstd = torch.ops.rwkvx.rwkv7_out_cpu_fwd(*ins, eps)
+        out, mean, rstd = rwkv7_out_cpu_fwd(*ins, eps)
         ctx.save_for_backward(*ins, mean, rstd)
         ctx.dtypes = (y.dtype, bonus.dtype, g.dtype, weight.dtype, bias.dtype)
         return out.to(y.dtype)
@@ -95,7 +96,7 @@ class _Rwkv7OutCPU(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         *ins, mean, rstd = ctx.saved_tensors
-        grads = torch.ops.rwkvx.rwkv7_out_cpu_bwd(*ins, mean, rstd, dout.to(ins[0].dtype))
+        grads = rwkv7_out_cpu_bwd(*ins, mean, rstd, dout.to(ins[0].dtype))
         return (*(gr.to(dt) for gr, dt in zip(grads, ctx.dtypes, strict=True)), None)
 
 

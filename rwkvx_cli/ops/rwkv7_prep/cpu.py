@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 SOURCE = Path(__file__).parent / "csrc" / "rwkv7_prep_cpu.cpp"
 
@@ -44,7 +45,7 @@ def _ptrs(tensors, stand_in: Tensor) -> list:
     return [ptr(stand_in if t is None or t.numel() == 0 else t) for t in tensors]
 
 
-@torch.library.custom_op("rwkvx::rwkv7_prep_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv7_prep_cpu_fwd")
 def rwkv7_prep_cpu_fwd(
     r: Tensor,
     k: Tensor,
@@ -79,7 +80,7 @@ def _fwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_
     return (*(r.new_empty(r.shape) for _ in range(2)), vo, *(r.new_empty(r.shape) for _ in range(3)))
 
 
-@torch.library.custom_op("rwkvx::rwkv7_prep_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv7_prep_cpu_bwd")
 def rwkv7_prep_cpu_bwd(
     r: Tensor,
     k: Tensor,
@@ -138,7 +139,7 @@ class _Rwkv7PrepCPU(torch.autograd.Function):
         inputs = (r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
         cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
         ins = [None if x is None else x.detach().to(cdt).contiguous() for x in inputs]
-        w, k_out, v_out, a, b, bonus = torch.ops.rwkvx.rwkv7_prep_cpu_fwd(*ins)
+        w, k_out, v_out, a, b, bonus = rwkv7_prep_cpu_fwd(*ins)
         ctx.save_for_backward(*ins)  # the backward recomputes the rest from the inputs
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         ctx.set_materialize_grads(False)
@@ -152,7 +153,7 @@ class _Rwkv7PrepCPU(torch.autograd.Function):
             douts = (douts[0], douts[1], None, *douts[2:])
         cdt = ins[0].dtype
         douts = [None if g is None else g.to(cdt) for g in douts]
-        grads = torch.ops.rwkvx.rwkv7_prep_cpu_bwd(*ins, *douts)
+        grads = rwkv7_prep_cpu_bwd(*ins, *douts)
         return tuple(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
 
 

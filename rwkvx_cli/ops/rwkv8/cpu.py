@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "rwkv8_cpu.cpp"
@@ -40,7 +41,7 @@ def _dims(q: Tensor, v: Tensor) -> tuple[int, ...]:
     return B, T, H, v.shape[2], L, v.shape[3]
 
 
-@torch.library.custom_op("rwkvx::rwkv8_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv8_cpu_fwd")
 def rwkv8_cpu_fwd(
     q: Tensor, v: Tensor, d: Tensor, rho: Tensor, norm: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -67,7 +68,7 @@ def _rwkv8_fwd_fake(q, v, d, rho, norm):
     )
 
 
-@torch.library.custom_op("rwkvx::rwkv8_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::rwkv8_cpu_bwd")
 def rwkv8_cpu_bwd(
     q: Tensor, v: Tensor, d: Tensor, snaps: Tensor, nsnaps: Tensor, dy: Tensor, drho: Tensor, dnorm: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -99,7 +100,7 @@ class _RWKV8CPU(torch.autograd.Function):
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (q, v, d)]
         s0 = [s.detach().to(cdt).contiguous() for s in (rho, norm)]
-        y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_cpu_fwd(*ins, *s0)
+        y, rho_out, norm_out, snaps, nsnaps = rwkv8_cpu_fwd(*ins, *s0)
         ctx.save_for_backward(*ins, snaps, nsnaps)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
         return y.to(q.dtype), rho_out, norm_out
@@ -109,7 +110,7 @@ class _RWKV8CPU(torch.autograd.Function):
         q, v, d, snaps, nsnaps = ctx.saved_tensors
         H, Hv = q.shape[2], v.shape[2]
         douts = [g.to(q.dtype).contiguous() for g in (dy, drho, dnorm)]
-        dq, dv_heads, dd_rows, drho0, dnorm0 = torch.ops.rwkvx.rwkv8_cpu_bwd(q, v, d, snaps, nsnaps, *douts)
+        dq, dv_heads, dd_rows, drho0, dnorm0 = rwkv8_cpu_bwd(q, v, d, snaps, nsnaps, *douts)
         dv = dv_heads.sum(2, keepdim=True) if Hv == 1 and H > 1 else dv_heads
         grads = (dq, dv, dd_rows.sum(0), drho0, dnorm0)
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))

@@ -19,6 +19,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr, ptr_array
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 from rwkvx_cli.ops.shift_mix import MAX_MIXES
 
 SOURCE = Path(__file__).parent / "csrc" / "shift_mix_cpu.cpp"
@@ -50,7 +51,7 @@ def _optional(t: Tensor | None):
     return None if t is None else ptr(t)
 
 
-@torch.library.custom_op("rwkvx::shift_mix_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::shift_mix_cpu_fwd")
 def shift_mix_cpu_fwd(
     x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor, eps: float
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
@@ -74,7 +75,7 @@ def _shift_mix_fwd_fake(x, weight, bias, mix, state, eps):
     return [x.new_empty(B, T, C) for _ in range(mix.shape[0])], x.new_empty(B, C), x.new_empty(B, T), x.new_empty(B, T)
 
 
-@torch.library.custom_op("rwkvx::shift_mix_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::shift_mix_cpu_bwd")
 def shift_mix_cpu_bwd(
     dys: list[Tensor | None],
     dstate_out: Tensor | None,
@@ -125,7 +126,7 @@ class _ShiftMixCPU(torch.autograd.Function):
     def forward(ctx, x, weight, bias, mix, state, eps):
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         xc, *params, s0 = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix, state))
-        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(xc, *params, s0, eps)
+        ys, s_out, mean, rstd = shift_mix_cpu_fwd(xc, *params, s0, eps)
         ctx.save_for_backward(xc, *params, s0, mean, rstd)
         ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: the kernel skips it
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, state.dtype)
@@ -135,7 +136,7 @@ class _ShiftMixCPU(torch.autograd.Function):
     def backward(ctx, *douts):
         x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
         *dys, ds = (None if g is None else g.to(x.dtype) for g in douts)
-        grads = torch.ops.rwkvx.shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, None)
+        grads = shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, None)
         return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None)
 
 

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 CHUNK = 32
 SOURCE = Path(__file__).parent / "csrc" / "wkv4_cpu.cpp"
@@ -36,7 +37,7 @@ def _kernel(name: str, x: Tensor):
     return kernel_entry(_library, "wkv4", name, x)
 
 
-@torch.library.custom_op("rwkvx::wkv4_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::wkv4_cpu_fwd")
 def wkv4_cpu_fwd(
     w: Tensor, u: Tensor, k: Tensor, v: Tensor, aa: Tensor, bb: Tensor, pp: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
@@ -57,7 +58,7 @@ def _wkv4_fwd_fake(w, u, k, v, aa, bb, pp):
     return (y, *(aa.new_empty(B, H, N) for _ in range(3)), k.new_empty(B, (T + CHUNK - 1) // CHUNK, 3, H * N))
 
 
-@torch.library.custom_op("rwkvx::wkv4_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::wkv4_cpu_bwd")
 def wkv4_cpu_bwd(
     w: Tensor,
     u: Tensor,
@@ -100,7 +101,7 @@ class _WKV4CPU(torch.autograd.Function):
         cdt = torch.float64 if k.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (w, u, k, v)]
         s0 = [s.detach().to(cdt).contiguous() for s in (aa, bb, pp)]
-        y, *s_out, snaps = torch.ops.rwkvx.wkv4_cpu_fwd(*ins, *s0)
+        y, *s_out, snaps = wkv4_cpu_fwd(*ins, *s0)
         ctx.save_for_backward(*ins, s_out[0], s_out[1], snaps)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
         return (y.to(k.dtype), *s_out)
@@ -109,7 +110,7 @@ class _WKV4CPU(torch.autograd.Function):
     def backward(ctx, dy, daa, dbb, dpp):
         w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
         douts = [g.to(k.dtype).contiguous() for g in (dy, daa, dbb, dpp)]
-        dw_rows, du_rows, *rest = torch.ops.rwkvx.wkv4_cpu_bwd(w, u, k, v, aaT, bbT, snaps, *douts)
+        dw_rows, du_rows, *rest = wkv4_cpu_bwd(w, u, k, v, aaT, bbT, snaps, *douts)
         grads = (dw_rows.sum(0), du_rows.sum(0), *rest)
         return tuple(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
 

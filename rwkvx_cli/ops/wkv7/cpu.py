@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 CHUNK = 16
 SOURCE = Path(__file__).parent / "csrc" / "wkv7_cpu.cpp"
@@ -35,7 +36,7 @@ def _kernel(name: str, x: Tensor):
     return kernel_entry(_library, "wkv7", name, x)
 
 
-@torch.library.custom_op("rwkvx::wkv7_cpu_fwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::wkv7_cpu_fwd")
 def wkv7_cpu_fwd(
     r: Tensor, w: Tensor, k: Tensor, v: Tensor, a: Tensor, b: Tensor, state: Tensor
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
@@ -57,7 +58,7 @@ def _wkv7_fwd_fake(r, w, k, v, a, b, state):
     return y, state.new_empty(B, H, N, N), r.new_empty(B, H, (T + CHUNK - 1) // CHUNK, N, N), r.new_empty(B, T, H, N)
 
 
-@torch.library.custom_op("rwkvx::wkv7_cpu_bwd", mutates_args=(), device_types="cpu")
+@cpu_kernel_op("rwkvx::wkv7_cpu_bwd")
 def wkv7_cpu_bwd(
     r: Tensor,
     w: Tensor,
@@ -94,7 +95,7 @@ class _WKV7CPU(torch.autograd.Function):
         cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
         ins = [x.detach().to(cdt).contiguous() for x in (r, w, k, v, a, b)]
         ins[1] = torch.exp(ins[1])  # the kernel takes the effective decay
-        y, s_out, snaps, sas = torch.ops.rwkvx.wkv7_cpu_fwd(*ins, state.detach().to(cdt).contiguous())
+        y, s_out, snaps, sas = wkv7_cpu_fwd(*ins, state.detach().to(cdt).contiguous())
         ctx.save_for_backward(*ins, snaps, sas)
         ctx.dtypes = (r.dtype, state.dtype)
         ctx.set_materialize_grads(False)  # an unused final state's cotangent stays None: the kernel reads no zeros
@@ -106,7 +107,7 @@ class _WKV7CPU(torch.autograd.Function):
         cdt = ins[0].dtype
         dy = torch.zeros_like(ins[0]) if dy is None else dy.to(cdt)
         ds_out = None if ds_out is None else ds_out.to(cdt)
-        grads = torch.ops.rwkvx.wkv7_cpu_bwd(*ins, snaps, sas, dy, ds_out)
+        grads = wkv7_cpu_bwd(*ins, snaps, sas, dy, ds_out)
         in_dtype, state_dtype = ctx.dtypes
         return (*(g.to(in_dtype) for g in grads[:6]), grads[6].to(state_dtype))
 
