@@ -37,9 +37,11 @@ def backend_table(*backends: Backend) -> dict[str, Backend]:
     return {bk.name: bk for bk in backends}
 
 
-def cpu_backend(fn: Callable, summary: str, unavailable: Callable[[], str | None]) -> Backend:
+def cpu_backend(
+    fn: Callable, summary: str, unavailable: Callable[[], str | None], optional_state: bool = False
+) -> Backend:
     """A fused C++ kernel: CPU tensors only, where it builds."""
-    return Backend("cpu", fn, summary, devices=("cpu",), unavailable=unavailable)
+    return Backend("cpu", fn, summary, devices=("cpu",), unavailable=unavailable, optional_state=optional_state)
 
 
 def triton_backend(name: str, fn: Callable, summary: str, unavailable: Callable[[], str | None]) -> Backend:
@@ -53,14 +55,17 @@ def reference_backend(fn: Callable, summary: str = ORACLE) -> Backend:
     return Backend("reference", fn, summary, production=False)
 
 
-def block_backends(op: str, reference: Callable, cpu=None, triton=None) -> dict[str, Backend]:
+def block_backends(
+    op: str, reference: Callable, cpu=None, triton=None, cpu_optional_state: bool = False
+) -> dict[str, Backend]:
     """The table of a fused block op (docs/operators.md#fused-block-ops): its fused C++ kernel
     (`cpu`) and Triton kernels (`triton`), each a (fn, summary, unavailable) triple, then the
     reference, the torch composition the unfused model runs: fp64, the gradient-check oracle; in
-    fp32 and bf16, the in-run baseline of `rwkvx bench` (and what "auto" falls back to)."""
+    fp32 and bf16, the in-run baseline of `rwkvx bench` (and what "auto" falls back to).
+    `cpu_optional_state`: the C++ backend takes state=None as the zero state (Backend.optional_state)."""
     rows = []
     if cpu is not None:
-        rows.append(cpu_backend(*cpu))
+        rows.append(cpu_backend(*cpu, optional_state=cpu_optional_state))
     if triton is not None:
         rows.append(triton_backend("triton", *triton))
     summary = f"the unfused torch composition, autograd backward (the fp64 oracle of {op})"

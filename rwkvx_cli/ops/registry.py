@@ -41,6 +41,10 @@ class Backend:
     # somewhere, for tests, without being the best choice there.
     auto_devices: tuple[str, ...] | None = None
     supports_fp64: bool = True
+    # Takes state=None as the zero state without a tensor for it (the C++ kernels read a null
+    # pointer as zeros and skip the initial state's gradient); the op's public function passes
+    # None through to such a backend and allocates zeros for the others.
+    optional_state: bool = False
     # Returns None when usable here, else a one-line reason (missing compiler...).
     unavailable: Callable[[], str | None] = lambda: None
 

@@ -143,3 +143,28 @@ def test_both_backends_compile_in_one_graph_and_match_eager():
     for got, want in zip(compiled_grads, eager_grads, strict=True):
         torch.testing.assert_close(got, want)
     torch._dynamo.reset()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_no_state_is_the_zero_state_for_shift_mix_and_channel_mix(dtype):
+    """state=None: the cpu backends take it as the zero state (no tensor of zeros, no state gradient);
+    the outputs and every other gradient equal an explicit zero state's, bit for bit."""
+    (x, weight, bias, mix, _), dys, ds = inputs(dtype, seed=4)
+    gen = torch.Generator().manual_seed(5)
+    key = 0.1 * torch.randn(4 * C, C, generator=gen, dtype=dtype)
+    value = 0.1 * torch.randn(C, 4 * C, generator=gen, dtype=dtype)
+    dy = torch.randn(B, T, C, generator=gen, dtype=dtype)
+    assert get_op("shift_mix").backends["cpu"].optional_state and get_op("channel_mix").backends["cpu"].optional_state
+
+    def both(state):
+        leaves = [t.clone().requires_grad_() for t in (x, weight, bias, mix, key, value)]
+        (ys, s_out) = shift_mix(*leaves[:4], state, backend="cpu")
+        y, c_out = channel_mix(*leaves[:3], leaves[3][0], leaves[4], leaves[5], state, backend="cpu")
+        loss = sum((yi * g).sum() for yi, g in zip(ys, dys, strict=True)) + (s_out * ds).sum() + (y * dy).sum()
+        (loss + (c_out * ds).sum()).backward()
+        return [*ys, s_out, y, c_out], [t.grad for t in leaves]
+
+    outs0, grads0 = both(torch.zeros(B, C, dtype=dtype))
+    outs, grads = both(None)
+    for a, b in zip(outs + grads, outs0 + grads0, strict=True):
+        assert torch.equal(a, b)

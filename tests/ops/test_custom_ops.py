@@ -97,7 +97,6 @@ def all_ops_loss(x):
 def test_every_kernel_is_a_custom_op_that_passes_opcheck():
     x = {op: [t.detach() for t in ts] for op, ts in op_inputs().items()}
     w7 = list(x["wkv7"])
-    w7[1] = torch.exp(w7[1])  # the kernel takes the effective decay
     y, s_out, snaps, sas = torch.ops.rwkvx.wkv7_cpu_fwd(*w7)
     w4 = x["wkv4"]
     y4, aa, bb, pp, snaps4 = torch.ops.rwkvx.wkv4_cpu_fwd(*w4)
@@ -108,7 +107,7 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck():
     yd, sd, snapsd, wd = torch.ops.rwkvx.delta_cpu_fwd(q, k, v, g.exp(), beta, s0, 0.5, chunk)
     calls = {
         torch.ops.rwkvx.wkv7_cpu_fwd: tuple(w7),
-        torch.ops.rwkvx.wkv7_cpu_bwd: (*w7[:6], snaps, sas, torch.randn_like(y), torch.randn_like(s_out)),
+        torch.ops.rwkvx.wkv7_cpu_bwd: (*w7[:6], snaps, sas, torch.randn_like(y), torch.randn_like(s_out), True),
         torch.ops.rwkvx.wkv4_cpu_fwd: tuple(w4),
         torch.ops.rwkvx.wkv4_cpu_bwd: (*w4[:4], aa, bb, snaps4, *map(torch.randn_like, (y4, aa, bb, pp))),
         torch.ops.rwkvx.rwkv8_cpu_fwd: tuple(r8),
@@ -119,7 +118,11 @@ def test_every_kernel_is_a_custom_op_that_passes_opcheck():
             *(0.5, chunk),
         ),
     }
-    for op, args in calls.items():
+    calls_without_state = {  # the zero state as a null pointer, and no state gradient asked for
+        torch.ops.rwkvx.wkv7_cpu_fwd: (*w7[:6], None),
+        torch.ops.rwkvx.wkv7_cpu_bwd: (*w7[:6], snaps, sas, torch.randn_like(y), None, False),
+    }
+    for op, args in [*calls.items(), *calls_without_state.items()]:
         torch.library.opcheck(op, args)
     for args in block_op_calls():
         torch.library.opcheck(*args)
@@ -239,7 +242,6 @@ def test_eager_calls_skip_the_dispatcher_and_anything_that_could_tell_goes_throu
     from rwkvx_cli.ops import _cpu_op
 
     w7 = [t.detach() for t in op_inputs()["wkv7"]]
-    w7[1] = torch.exp(w7[1])
     assert _cpu_op.direct_call_allowed(w7)
     direct = wkv7_cpu.wkv7_cpu_fwd(*w7)
     dispatched = torch.ops.rwkvx.wkv7_cpu_fwd(*w7)

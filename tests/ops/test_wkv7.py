@@ -210,3 +210,21 @@ def test_auto_picks_a_production_backend_on_cpu():
     from rwkvx_cli.ops import resolve_backend
 
     assert resolve_backend(SPEC, "auto", torch.device("cpu")).production
+
+
+@pytest.mark.parametrize("backend", PRODUCTION)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_no_state_is_the_zero_state(backend, dtype):
+    """state=None: the same outputs and input gradients as an explicit zero state, whether the backend takes
+    None itself (Backend.optional_state: no tensor of zeros) or the public function makes the zeros."""
+    x, _ = make_inputs(2, 21, 2, 16, seed=3, dtype=dtype)
+    zero = torch.zeros(2, 2, 16, 16, dtype=dtype)
+    y0, s0, g0 = run_with_grads(backend, x, zero)
+    leaves = {n: t.clone().requires_grad_() for n, t in x.items()}
+    y, s = wkv7(*(leaves[n] for n in "rwkvab"), state=None, backend=backend)
+    gen = torch.Generator().manual_seed(123)
+    cot_y, cot_s = torch.randn(y.shape, generator=gen, dtype=dtype), torch.randn(s.shape, generator=gen, dtype=dtype)
+    ((y * cot_y).sum() + (s * cot_s).sum()).backward()
+    assert torch.equal(y.detach(), y0) and torch.equal(s.detach(), s0)
+    for n in "rwkvab":
+        assert torch.equal(leaves[n].grad, g0[n]), n

@@ -50,12 +50,12 @@ def channel_mix(
     if value.shape != (C, F):
         raise ValueError(f"value must have shape [{C}, {F}] (key is [{F}, {C}]), got {tuple(value.shape)}")
     eps = check_eps(eps)
-    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if state is None:
-        state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    else:
+    if state is not None:
         check_state("state", state, (B, C), x.device)
     bk = resolve_backend(get_op("channel_mix"), backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of channel_mix does not support float64 inputs")
+    if state is None and not bk.optional_state:
+        state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
     return bk.fn(x, weight, bias, mix, key, value, state, eps=eps)

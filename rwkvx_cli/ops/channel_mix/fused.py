@@ -2,6 +2,7 @@
 matmuls (torch's: MKL/oneDNN on the CPU, cuBLAS on CUDA) and a backend's elementwise kernels:
 
     shift_fwd(x, weight, bias, mix [1, C], state, eps) -> (x_k, state_out, mean, rstd)
+        (state None, only from a backend with Backend.optional_state: the zero state)
         shift_mix's forward kernel with one lerp: x_k in the compute dtype, the LayerNorm's
         per-row mean and 1/std [B, T] kept for the backward
     shift_bwd(dx_k, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
@@ -47,7 +48,7 @@ class ChannelMix(torch.autograd.Function):
         mm = matmul_dtype(x)
         with torch.autocast(x.device.type, enabled=False):
             params = [p.detach().to(cdt).contiguous() for p in (weight, bias, mix.reshape(1, C))]
-            s0 = state.detach().to(cdt).contiguous()
+            s0 = None if state is None else state.detach().to(cdt).contiguous()  # None: zeros (a cpu kernel's)
             xd = x.detach().contiguous()
             xk, s_out, mean, rstd = kernels.shift_fwd(xd, *params, s0, eps)
             xk = xk.view(B * T, C).to(mm)
@@ -59,7 +60,8 @@ class ChannelMix(torch.autograd.Function):
                 y = xd.view(B * T, C) + a @ vw.t()
         ctx.save_for_backward(xd, *params, s0, mean, rstd, xk, a, kw, vw)
         ctx.eps, ctx.kernels = eps, kernels
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, key.dtype, value.dtype, state.dtype)
+        state_dtype = None if state is None else state.dtype
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, key.dtype, value.dtype, state_dtype)
         ctx.mix_shape = mix.shape
         ctx.set_materialize_grads(False)  # an unused state_out's cotangent stays None (shift_bwd reads no zeros)
         return y.view(B, T, C).to(x.dtype), s_out
@@ -83,7 +85,7 @@ class ChannelMix(torch.autograd.Function):
             dxk, ds_out, x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C)
         )
         grads = (dx, dweight, dbias, dmix.view(ctx.mix_shape), dkey, dvalue, dstate)
-        return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
+        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
 
 
 def channel_mix_with(kernels: Kernels):

@@ -89,6 +89,7 @@ SPEC = register(
                 "torch's matmuls around shift_mix's Triton kernels (M = 1) and a relu² Triton pair",
                 fused_triton.unavailable,
             ),
+            cpu_optional_state=True,
         ),
         # The weights' gradients are sums over B·T tokens of terms of both signs, so some cancel to
         # near 0, where fp32's rounding of the sum (~1e-7 of its terms' magnitude) would dominate

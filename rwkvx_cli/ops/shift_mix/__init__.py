@@ -47,12 +47,12 @@ def shift_mix(
     if mix.device != x.device:
         raise ValueError(f"mix is on {mix.device} but x is on {x.device}")
     eps = check_eps(eps)
-    state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
-    if state is None:
-        state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    else:
+    if state is not None:
         check_state("state", state, (B, C), x.device)
     bk = resolve_backend(get_op("shift_mix"), backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of shift_mix does not support float64 inputs")
+    if state is None and not bk.optional_state:
+        state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
+        state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
     return bk.fn(x, weight, bias, mix, state, eps=eps)

@@ -53,19 +53,25 @@ def _optional(t: Tensor | None):
 
 @cpu_kernel_op("rwkvx::shift_mix_cpu_fwd")
 def shift_mix_cpu_fwd(
-    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor, eps: float
+    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor | None, eps: float
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """The forward kernel: x [B, T, C], weight, bias [C], mix [M, C] (M <= 8), state [B, C], all
-    fp32 or all fp64. Returns ([y_0, ..., y_{M-1}] each [B, T, C], state_out [B, C], and the
-    LayerNorm's mean and 1/std [B, T])."""
+    """The forward kernel: x [B, T, C], weight, bias [C], mix [M, C] (M <= 8), state [B, C] (None:
+    zeros), all fp32 or all fp64. Returns ([y_0, ..., y_{M-1}] each [B, T, C], state_out [B, C], and
+    the LayerNorm's mean and 1/std [B, T])."""
     B, T, C = x.shape
     M = mix.shape[0]
     if not 1 <= M <= MAX_MIXES:
         raise ValueError(f"the shift_mix cpu kernel takes 1 to {MAX_MIXES} lerps, got {M}")
-    ins = [t.contiguous() for t in (x, weight, bias, mix, state)]
+    ins = [t.contiguous() for t in (x, weight, bias, mix)]
     ys, s_out, mean, rstd = _shift_mix_fwd_fake(x, weight, bias, mix, state, eps)
     fn = _kernel("shift_mix_forward", x)
-    fn(*map(ptr, ins), ptr_array(ys), *map(ptr, (s_out, mean, rstd)), B, T, C, M, torch.get_num_threads(), eps)
+    fn(
+        *map(ptr, ins),
+        _optional(_contiguous(state)),
+        ptr_array(ys),
+        *map(ptr, (s_out, mean, rstd)),
+        *(B, T, C, M, torch.get_num_threads(), eps),
+    )
     return ys, s_out, mean, rstd
 
 
@@ -83,34 +89,34 @@ def shift_mix_cpu_bwd(
     weight: Tensor,
     bias: Tensor,
     mix: Tensor,
-    state: Tensor,
+    state: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
     dx_add: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernel: the M outputs' cotangents (None: zero, not read), state_out's (None:
-    zero), the forward's inputs and statistics, and dx_add [B, T, C], a gradient added into dx
-    (None: nothing). Returns (dx, dweight, dbias, dmix [M, C], dstate)."""
+    zero), the forward's inputs (state None: the zero state) and statistics, and dx_add [B, T, C],
+    a gradient added into dx (None: nothing). Returns (dx, dweight, dbias, dmix [M, C], dstate),
+    dstate empty ([0]) for a None state."""
     B, T, C = x.shape
     M = mix.shape[0]
     if len(dys) != M:
         raise ValueError(f"shift_mix_cpu_bwd: {len(dys)} output cotangents for {M} lerps")
     dys = [_contiguous(g) for g in dys]
-    dstate_out, dx_add = _contiguous(dstate_out), _contiguous(dx_add)
-    ins = [t.contiguous() for t in (x, weight, bias, mix, state, mean, rstd)]
+    dstate_out, dx_add, state = _contiguous(dstate_out), _contiguous(dx_add), _contiguous(state)
+    ins = [t.contiguous() for t in (x, weight, bias, mix)]
     grads = _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
     fn = _kernel("shift_mix_backward", x)
     fn(
         ptr_array(dys),
         _optional(dstate_out),
         *map(ptr, ins),
+        _optional(state),
+        *map(ptr, (mean.contiguous(), rstd.contiguous())),
         _optional(dx_add),
-        *map(ptr, grads),
-        B,
-        T,
-        C,
-        M,
-        torch.get_num_threads(),
+        *map(ptr, grads[:4]),
+        None if state is None else ptr(grads[4]),
+        *(B, T, C, M, torch.get_num_threads()),
     )
     return grads
 
@@ -118,18 +124,20 @@ def shift_mix_cpu_bwd(
 @shift_mix_cpu_bwd.register_fake
 def _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
     B, T, C = x.shape
-    return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), mix.new_empty(mix.shape), state.new_empty(B, C)
+    dstate = x.new_empty(0) if state is None else state.new_empty(B, C)
+    return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), mix.new_empty(mix.shape), dstate
 
 
 class _ShiftMixCPU(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, mix, state, eps):
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xc, *params, s0 = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix, state))
+        xc, *params = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix))
+        s0 = None if state is None else state.detach().to(cdt).contiguous()
         ys, s_out, mean, rstd = shift_mix_cpu_fwd(xc, *params, s0, eps)
         ctx.save_for_backward(xc, *params, s0, mean, rstd)
         ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: the kernel skips it
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, state.dtype)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, None if state is None else state.dtype)
         return (*(y.to(x.dtype) for y in ys), s_out)
 
     @staticmethod
@@ -137,9 +145,10 @@ class _ShiftMixCPU(torch.autograd.Function):
         x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
         *dys, ds = (None if g is None else g.to(x.dtype) for g in douts)
         grads = shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, None)
-        return (*(g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None)
+        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None)
 
 
 def shift_mix_cpu(x, weight, bias, mix, state, *, eps: float = 1e-5):
+    """state None: the zero state, with no tensor for it (Backend.optional_state)."""
     *ys, s_out = _ShiftMixCPU.apply(x, weight, bias, mix, state, eps)
     return tuple(ys), s_out

@@ -81,6 +81,7 @@ SPEC = register(
                 "fused Triton kernels: LayerNorm statistics and the lerps in one pass per tile, C in blocks",
                 fused_triton.unavailable,
             ),
+            cpu_optional_state=True,
         ),
         flops=_flops,
         bench_shapes=(

@@ -37,12 +37,12 @@ def wkv7(
     B, T, H, N = r.shape
     if min(B, T, H, N) < 1:
         raise ValueError(f"wkv7 needs every dimension >= 1, got [B, T, H, N] = {list(r.shape)}")
-    state_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
-    if state is None:
-        state = torch.zeros(B, H, N, N, dtype=state_dtype, device=r.device)
-    else:
+    if state is not None:
         check_state("state", state, (B, H, N, N), r.device)
     bk = resolve_backend(get_op("wkv7"), backend, r.device)
     if r.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of wkv7 does not support float64 inputs")
+    if state is None and not bk.optional_state:
+        state_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
+        state = torch.zeros(B, H, N, N, dtype=state_dtype, device=r.device)
     return bk.fn(r, w, k, v, a, b, state)

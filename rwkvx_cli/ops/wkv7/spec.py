@@ -93,6 +93,7 @@ SPEC = register(
                 cpu.wkv7_cpu,
                 "fused C++ kernel (OpenMP over B*H, SIMD over N), snapshot every 16 steps, hand-written backward",
                 cpu.unavailable,
+                optional_state=True,
             ),
             triton_backend(
                 "triton",

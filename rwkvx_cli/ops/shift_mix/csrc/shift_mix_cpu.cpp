@@ -6,7 +6,8 @@
 // Layout: x, y_m, dy_m, dx, dx_add [B, T, C] contiguous; weight, bias [C]; mix, dmix [M, C];
 // state, state_out and their gradients [B, C]; mean, rstd [B, T]. The M outputs and their
 // gradients are arrays of M pointers (a null gradient is absent: zero); a null dstate_out or
-// dx_add is zero too.
+// dx_add is zero too, and a null state is the zero state, whose gradient (dstate, null) is not
+// written.
 //
 // Forward, per row: n = (x - mean) rstd (biased variance), x̂ = n w + b,
 //   y_m = x̂ + (x̂[t-1] - x̂) mix_m   (x̂[-1] = state),  state_out = x̂[T-1]
@@ -428,7 +429,12 @@ struct Forward {
       }
       for (int j = 0; j < rows;) {
         const int64_t q = r + j, b = q / T, t = q % T;
-        if (!t) to_double(state + b * C, C, Cp, prev);
+        if (!t) {
+          if (state)
+            to_double(state + b * C, C, Cp, prev);
+          else
+            std::fill(prev, prev + Cp, 0.0);
+        }
         const bool pair = j + 1 < rows && t + 1 < T;
         if (pair)
           block<2, M>(q, mu + j, rs + j, prev);
@@ -511,7 +517,7 @@ struct Backward {
       // x̂[t-1] - x̂ in fp32 (dmix alone reads it): the bias cancels but at t = 0, where x̂[t-1] is
       // the state (0 in the tail lanes)
       const S d = t ? ((load<S>(xq - C + c, n) - mu_p) * rs_p - nc) * w
-                    : load<S>(state + b * C + c, n) - (nc * w + load<S>(bias + c, n));
+                    : (state ? load<S>(state + b * C + c, n) : S{}) - (nc * w + load<S>(bias + c, n));
       W sum = {}, pm = {};
       for (int p = 0; p < P; p++) {
         const S g = load<S>(dy[p] + c, n);
@@ -523,7 +529,7 @@ struct Backward {
       store(own + c, sum - pm);
       if (t)
         store(next + c, pm);
-      else
+      else if (dstate)
         store(dstate + b * C + c, convert<S>(pm), n);
     });
   }
@@ -617,7 +623,7 @@ void backward(const F* const* dys, const F* dstate_out, const F* x, const F* wei
   std::fill(dmix, dmix + (int64_t)M * C, F(0));  // absent lerps' stay 0
   if (rows == 0 || C == 0) {
     std::fill(dweight, dweight + C, F(0)), std::fill(dbias, dbias + C, F(0));
-    std::fill(dstate, dstate + (int64_t)B * C, F(0));
+    if (dstate) std::fill(dstate, dstate + (int64_t)B * C, F(0));
     return;
   }
   int present[8], P = 0;  // the lerps with a gradient (M <= 8)

@@ -1,9 +1,11 @@
 // WKV7 forward and backward on the CPU: one (batch, head) per OpenMP task, the
 // N x N state kept in cache, every inner loop a unit-stride SIMD loop.
 //
-// Layout: inputs [B, T, H, N] contiguous; w is the effective decay exp(w_log),
-// computed by the caller with torch's vectorised exp; states [B, H, N, N] with
-// row i = value channel, column j = key channel.
+// Layout: inputs [B, T, H, N] contiguous; w is the log-decay w_log <= 0, whose effective
+// decay exp(w_log) each step computes for its N key channels (simd::exp_nonpos: ~1 ulp in fp32,
+// the C library's exp in fp64); states [B, H, N, N] with row i = value channel, column j = key
+// channel. A null initial state is the zero state, and a null ds0 asks for no state gradient
+// (the model's first segment: no tensor of zeros to allocate, fill and read).
 //
 // Forward runs on the transposed state (row = key channel j), where S a and S r
 // become axpys over rows and the columns (value channels) evolve independently.
@@ -44,6 +46,21 @@ using simd::hsum;
 using simd::load;
 using simd::store;
 using simd::Vec;
+
+// out[0..n) = exp(x[0..n)) for x <= 0, whole vectors then a zero-padded partial one.
+template <typename F>
+inline void exp_row(const F* __restrict x, F* __restrict out, int n) {
+  typedef typename Vec<F>::type V;
+  constexpr int L = Vec<F>::L;
+  int i = 0;
+  for (; i + L <= n; i += L) store(out + i, simd::exp_nonpos(load(x + i)));
+  if (i < n) {
+    V t = {};
+    for (int l = 0; i + l < n; l++) t[l] = x[i + l];
+    t = simd::exp_nonpos(t);
+    for (int l = 0; i + l < n; l++) out[i + l] = t[l];
+  }
+}
 
 // The backward's recomputation of one step, out of place, in the [value, key] layout
 // the reverse sweep reads: next = prev diag(w) + (prev a) bᵀ + v kᵀ; keeps sa = prev a.
@@ -221,8 +238,8 @@ void forward(const F* r, const F* w, const F* k, const F* v, const F* a, const F
 #pragma omp parallel for num_threads(threads) schedule(static)
   for (int bh = 0; bh < B * H; bh++) {
     const int bi = bh / H, h = bh % H;
-    std::vector<F> ST(NN), sa(N), zeros(N);
-    transpose(s0 + bh * NN, ST.data(), N);
+    std::vector<F> ST(NN), sa(N), zeros(N), we(N);  // we: this step's exp(w)
+    if (s0) transpose(s0 + bh * NN, ST.data(), N);
     if constexpr (NC > 0) {
       typedef typename Vec<F>::type V;
       constexpr int L = Vec<F>::L, NV = NC / L;
@@ -237,13 +254,15 @@ void forward(const F* r, const F* w, const F* k, const F* v, const F* a, const F
         const F* an = t + 1 < T ? a + o + (int64_t)H * N : zeros.data();
         if (t + PF + 1 < T)
           for (const F* x : {r, w, k, v, b, a}) simd::prefetch(x + o + (int64_t)(PF + (x == a)) * H * N, N);
-        step_fused<F, NC>(ST.data(), sav, sas + o, y + o, r + o, w + o, k + o, v + o, b + o, an);
+        exp_row(w + o, we.data(), N);
+        step_fused<F, NC>(ST.data(), sav, sas + o, y + o, r + o, we.data(), k + o, v + o, b + o, an);
       }
     } else {
       for (int t = 0; t < T; t++) {
         if (t % chunk == 0) std::memcpy(snaps + ((int64_t)bh * n_chunks + t / chunk) * NN, ST.data(), NN * sizeof(F));
         const int64_t o = (((int64_t)bi * T + t) * H + h) * N;
-        step_transposed<F, NC>(ST.data(), sa.data(), y + o, r + o, w + o, k + o, v + o, a + o, b + o, N);
+        exp_row(w + o, we.data(), N);
+        step_transposed<F, NC>(ST.data(), sa.data(), y + o, r + o, we.data(), k + o, v + o, a + o, b + o, N);
         std::memcpy(sas + o, sa.data(), N * sizeof(F));
       }
     }
@@ -264,6 +283,7 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
     // dsT null: the final state has no cotangent (training without a carried state)
     std::vector<F> dS = dsT ? std::vector<F>(dsT + bh * NN, dsT + (bh + 1) * NN) : std::vector<F>(NN, F(0));
     std::vector<F> states((int64_t)chunk * NN), dwe(N), acc_r(N), dsa(N);
+    std::vector<F> wes((int64_t)chunk * N);  // the chunk's exp(w), step by step
     // Every input and output row of step t, ahead of its use (see simd::prefetch).
     auto prefetch_step = [&](int t) {
       const int64_t o = (((int64_t)bi * T + t) * H + h) * N;
@@ -275,17 +295,19 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
       const int t0 = c * chunk, L = std::min(chunk, T - t0);
       // states[s] = the state before step t0 + s, in the [value, key] layout.
       transpose(snaps + ((int64_t)bh * n_chunks + c) * NN, states.data(), N);
+      for (int s = 0; s < L; s++) exp_row(w + (((int64_t)bi * T + t0 + s) * H + h) * N, wes.data() + (int64_t)s * N, N);
       for (int s = 0; s + 1 < L; s++) {
         const int64_t o = (((int64_t)bi * T + t0 + s) * H + h) * N;
         const F* prev = states.data() + (int64_t)s * NN;
         F* next = states.data() + (int64_t)(s + 1) * NN;
+        const F* ws = wes.data() + (int64_t)s * N;
         if constexpr (NC > 0) {
-          recompute_step_vec<F, NC>(prev, next, sas + o, w + o, k + o, v + o, b + o);
+          recompute_step_vec<F, NC>(prev, next, sas + o, ws, k + o, v + o, b + o);
         } else {
           for (int i = 0; i < N; i++)
 #pragma omp simd
             for (int j = 0; j < N; j++)
-              next[(int64_t)i * N + j] = prev[(int64_t)i * N + j] * w[o + j] + sas[o + i] * b[o + j] + v[o + i] * k[o + j];
+              next[(int64_t)i * N + j] = prev[(int64_t)i * N + j] * ws[j] + sas[o + i] * b[o + j] + v[o + i] * k[o + j];
         }
       }
       for (int s = L - 1; s >= 0; s--) {
@@ -293,11 +315,12 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
         const F* Sprev = states.data() + (int64_t)s * NN;
         if (c > 0) prefetch_step(t0 - chunk + s);  // the previous chunk's step s
         if constexpr (NC > 0) {
-          backward_step_vec<F, NC>(dS.data(), Sprev, r + o, w + o, k + o, v + o, a + o, b + o, sas + o, dy + o,
+          backward_step_vec<F, NC>(dS.data(), Sprev, r + o, wes.data() + (int64_t)s * N, k + o, v + o, a + o, b + o, sas + o, dy + o,
                                    dr + o, dw + o, dk + o, dv + o, da + o, db + o, dsa.data());
           continue;
         }
-        const F *rt = r + o, *kt = k + o, *vt = v + o, *at = a + o, *bt = b + o, *dyt = dy + o, *wt = w + o;
+        const F *rt = r + o, *kt = k + o, *vt = v + o, *at = a + o, *bt = b + o, *dyt = dy + o;
+        const F* wt = wes.data() + (int64_t)s * N;
         const F* sat = sas + o;
         F *dkt = dk + o, *dbt = db + o, *dat = da + o;
         F sdy = 0, vdy = 0;
@@ -333,7 +356,7 @@ void backward(const F* r, const F* w, const F* k, const F* v, const F* a, const 
         }
       }
     }
-    std::memcpy(ds0 + bh * NN, dS.data(), NN * sizeof(F));
+    if (ds0) std::memcpy(ds0 + bh * NN, dS.data(), NN * sizeof(F));
   }
 }
 
