@@ -114,3 +114,34 @@ def test_the_channel_mix_function_follows_autocast_as_the_composition_does():
     assert (y_f - y_r).norm() / y_r.norm() < 1e-2
     for n in g_r:
         assert (g_f[n] - g_r[n]).norm() / g_r[n].norm() < 3e-2, n
+
+
+def test_shift_mix_passes_the_residual_stream_on_with_its_gradient():
+    """residual=True: every backend also returns x itself, and a block's `x + f(y)` through that output has the
+    reference's values and gradients (the kernels add the residual's gradient into dx); x reaches them once."""
+    from rwkvx_cli.ops import shift_mix
+
+    spec = get_op("shift_mix")
+    gen = torch.Generator().manual_seed(7)
+    case = spec.cases[0]
+    tensors = spec.sample(case, gen)
+    proj = torch.randn(tensors["x"].shape[-1], tensors["x"].shape[-1], generator=gen, dtype=torch.float64)
+
+    def block(backend, dtype):
+        leaves = {n: t.detach().to(dtype).requires_grad_() for n, t in tensors.items()}
+        ys, s_out, x_res = shift_mix(*(leaves[n] for n in spec.inputs), leaves["state"], residual=True, backend=backend)
+        assert x_res.data_ptr() == leaves["x"].data_ptr()  # x itself, no copy
+        out = x_res + sum(y * (i + 1) for i, y in enumerate(ys)) @ proj.to(dtype)
+        ((out * out.detach().sin()).sum() + s_out.sum()).backward()
+        return out.detach().double(), {n: t.grad.double() for n, t in leaves.items()}
+
+    def near(got, want, tol):  # against the largest magnitude: these sums run into the hundreds
+        return (got - want).abs().max() <= tol * want.abs().max()
+
+    want, want_grads = block("reference", torch.float64)
+    for name in spec.production_backends():
+        for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+            got, grads = block(name.name, dtype)
+            assert near(got, want, tol), (name.name, dtype)
+            for n, g in grads.items():
+                assert near(g, want_grads[n], tol), (name.name, dtype, n)

@@ -78,12 +78,14 @@ class RWKV4TimeMix(nn.Module):
 
     def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
         """x + forward(ln(x)) with ln and the three token-shift mixes as one shift_mix (RWKV-4's
-        x·m + x_{t-1}·(1 - m) is shift_mix's lerp with weight 1 - m) and the output projection
-        summed into the residual in one addmm."""
+        x·m + x_{t-1}·(1 - m) is shift_mix's lerp with weight 1 - m), which also passes the residual
+        stream on (its gradient summed in the kernel), and the output projection summed into the
+        residual in one addmm."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         mix = 1 - torch.cat([self.time_mix_k, self.time_mix_v, self.time_mix_r], dim=1).view(3, C)
-        (xk, xv, xr), shift = shift_mix(x, ln.weight, ln.bias, mix, state["shift"] if state else None, eps=ln.eps)
+        shift = state["shift"] if state else None
+        (xk, xv, xr), shift, x = shift_mix(x, ln.weight, ln.bias, mix, shift, eps=ln.eps, residual=True)
         k, v = self.key(xk).view(B, T, H, N), self.value(xv).view(B, T, H, N)
         r = torch.sigmoid(self.receptance(xr))
         wkv_state = (state["aa"], state["bb"], state["pp"]) if state else None

@@ -117,13 +117,16 @@ class RWKV7TimeMix(nn.Module):
 
     def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
         """x + forward(ln(x)), the same math through the fused block ops (docs/model.md#fused-blocks):
-        shift_mix (ln and the six lerps), the matmuls, rwkv7_prep, wkv7, rwkv7_out, the output
-        projection with the residual sum. x is the residual stream before `ln`."""
+        shift_mix (ln and the six lerps; it passes the residual stream on, so that its gradient is
+        summed in the kernel), the matmuls, rwkv7_prep, wkv7, rwkv7_out, the output projection with
+        the residual sum. x is the residual stream before `ln`."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         s = state or {}
         mix = torch.cat([getattr(self, name) for name in MIXES], dim=1).view(len(MIXES), C)
-        (xr, xw, xk, xv, xa, xg), att_shift = shift_mix(x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps)
+        (xr, xw, xk, xv, xa, xg), att_shift, x = shift_mix(
+            x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps, residual=True
+        )
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         w_lora = torch.tanh(xw @ self.w1) @ self.w2
         a_lora = (xa @ self.a1) @ self.a2

@@ -10,7 +10,10 @@ Returns ((y_0, ..., y_{M-1}), state_out): each y_m [B, T, C] in x's dtype, and s
 [B, C] in fp32 (fp64 for fp64 inputs), the next segment's state. Differentiable with respect to x,
 weight, bias, mix and the state, and through state_out. weight, bias and mix may have another
 floating dtype than x (fp32 parameters with bf16 activations); their gradients come back in their
-own dtype. The registry entry (backends, gradient-check sampler and cases) is spec.py.
+own dtype. With `residual=True` it also returns x itself, last: the residual stream, for a block's
+output sum `x + f(y_0, ...)`, so that x has one consumer and the kernels add the residual's gradient
+into dx (one pass) where autograd would add the two gradients of a twice-used x (another).
+The registry entry (backends, gradient-check sampler and cases) is spec.py.
 """
 
 from __future__ import annotations
@@ -33,9 +36,11 @@ def shift_mix(
     state: torch.Tensor | None = None,
     *,
     eps: float = 1e-5,
+    residual: bool = False,
     backend: str = "auto",
-) -> tuple[tuple[torch.Tensor, ...], torch.Tensor]:
-    """LayerNorm(x), then its M token-shift lerps; returns ((y_0, ..., y_{M-1}), state_out)."""
+) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
+    """LayerNorm(x), then its M token-shift lerps; returns ((y_0, ..., y_{M-1}), state_out), and x
+    with `residual`."""
     check_rows("x", x, 3)
     B, T, C = x.shape
     weight = per_channel("weight", weight, C, x.device)
@@ -55,4 +60,6 @@ def shift_mix(
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
+    if residual:
+        return bk.fn(x, weight, bias, mix, state, eps=eps, residual=True)
     return bk.fn(x, weight, bias, mix, state, eps=eps)

@@ -130,7 +130,7 @@ def _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd
 
 class _ShiftMixCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, mix, state, eps):
+    def forward(ctx, x, weight, bias, mix, state, eps, residual):
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         xc, *params = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix))
         s0 = None if state is None else state.detach().to(cdt).contiguous()
@@ -138,17 +138,26 @@ class _ShiftMixCPU(torch.autograd.Function):
         ctx.save_for_backward(xc, *params, s0, mean, rstd)
         ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: the kernel skips it
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, None if state is None else state.dtype)
-        return (*(y.to(x.dtype) for y in ys), s_out)
+        ctx.residual = residual
+        return (*(y.to(x.dtype) for y in ys), s_out, *((x,) if residual else ()))  # x as is: autograd views it
 
     @staticmethod
     def backward(ctx, *douts):
         x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
+        dres = douts[-1] if ctx.residual else None  # the residual stream's gradient: added into dx by the kernel
+        douts = douts[:-1] if ctx.residual else douts
         *dys, ds = (None if g is None else g.to(x.dtype) for g in douts)
-        grads = shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, None)
-        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None)
+        dres = None if dres is None else dres.to(x.dtype)
+        grads = shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, dres)
+        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
 
 
-def shift_mix_cpu(x, weight, bias, mix, state, *, eps: float = 1e-5):
-    """state None: the zero state, with no tensor for it (Backend.optional_state)."""
-    *ys, s_out = _ShiftMixCPU.apply(x, weight, bias, mix, state, eps)
+def shift_mix_cpu(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
+    """state None: the zero state, with no tensor for it (Backend.optional_state). `residual`: x is
+    returned too, its gradient added into dx by the kernel (the public function's docstring)."""
+    outs = _ShiftMixCPU.apply(x, weight, bias, mix, state, eps, residual)
+    if residual:
+        *ys, s_out, x_out = outs
+        return tuple(ys), s_out, x_out
+    *ys, s_out = outs
     return tuple(ys), s_out

@@ -359,7 +359,7 @@ def shift_mix_triton_bwd(
 
 class _ShiftMixTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, mix, state, eps):
+    def forward(ctx, x, weight, bias, mix, state, eps, residual):
         B, T, C = x.shape
         index_offsets(B, T, C)
         cdt, _ = compute_dtype(x.dtype)
@@ -368,16 +368,18 @@ class _ShiftMixTriton(torch.autograd.Function):
         ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, s0, eps)
         ctx.save_for_backward(*ins, s0, mean, rstd)
         ctx.dtypes = (weight.dtype, bias.dtype, mix.dtype, state.dtype)
-        return (*ys, s_out)
+        ctx.residual = residual
+        return (*ys, s_out, *((x,) if residual else ()))  # x as is: autograd views it
 
     @staticmethod
     def backward(ctx, *grads):
         x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
-        *dys, ds_out = grads
+        dres = grads[-1] if ctx.residual else None  # the residual stream's gradient: added into dx by the kernel
+        *dys, ds_out = grads[:-1] if ctx.residual else grads
         kept = [i for i, g in enumerate(dys) if g is not None]  # the outputs a loss reached
         sel = mix if len(kept) == len(dys) else mix[kept]
         dx, dw, db, dmix_k, dstate = torch.ops.rwkvx.shift_mix_triton_bwd(
-            [dys[i] for i in kept], ds_out, x, weight, bias, sel, s0, mean, rstd, None
+            [dys[i] for i in kept], ds_out, x, weight, bias, sel, s0, mean, rstd, dres
         )
         if len(kept) < len(dys):
             dmix = dmix_k.new_zeros(mix.shape)
@@ -385,9 +387,13 @@ class _ShiftMixTriton(torch.autograd.Function):
         else:
             dmix = dmix_k
         wdt, bdt, mdt, sdt = ctx.dtypes
-        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dmix.to(mdt), dstate.to(sdt), None
+        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dmix.to(mdt), dstate.to(sdt), None, None
 
 
-def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5):
-    *ys, s_out = _ShiftMixTriton.apply(x, weight, bias, mix, state, eps)
+def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
+    outs = _ShiftMixTriton.apply(x, weight, bias, mix, state, eps, residual)
+    if residual:
+        *ys, s_out, x_out = outs
+        return tuple(ys), s_out, x_out
+    *ys, s_out = outs
     return tuple(ys), s_out

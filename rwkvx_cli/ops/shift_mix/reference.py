@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 
-def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5):
+def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
     C = x.shape[-1]
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xn = F.layer_norm(x.to(dt), (C,), weight.to(dt), bias.to(dt), eps)
@@ -16,4 +16,4 @@ def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5):
     xx = prev - xn
     mix = mix.to(dt)
     outs = tuple((xn + xx * mix[m]).to(x.dtype) for m in range(mix.shape[0]))
-    return outs, xn[:, -1]
+    return (outs, xn[:, -1], x) if residual else (outs, xn[:, -1])
