@@ -145,3 +145,30 @@ def test_shift_mix_passes_the_residual_stream_on_with_its_gradient():
             assert near(got, want, tol), (name.name, dtype)
             for n, g in grads.items():
                 assert near(g, want_grads[n], tol), (name.name, dtype, n)
+
+
+def test_shift_mix_takes_the_lerp_weights_as_separate_tensors():
+    """mix as M tensors of C values (the model's [1, 1, C] parameters, with no cat of them): the same outputs as the
+    stacked [M, C] tensor on every backend, and each tensor's gradient in its own shape (a row of the stacked one's)."""
+    from rwkvx_cli.ops import shift_mix
+
+    spec = get_op("shift_mix")
+    tensors = spec.sample(spec.cases[0], torch.Generator().manual_seed(8))
+    M, C = tensors["mix"].shape
+    cot = torch.randn(M, *tensors["x"].shape, generator=torch.Generator().manual_seed(9), dtype=torch.float64)
+    for bk in spec.backends.values():
+        if not bk.production and bk.name != "reference":
+            continue
+        x, w, b, s = (tensors[n].detach().clone().requires_grad_() for n in ("x", "weight", "bias", "state"))
+        stacked = tensors["mix"].detach().clone().requires_grad_()
+        ys, s_out = shift_mix(x, w, b, stacked, s, backend=bk.name)
+        (sum((y * c).sum() for y, c in zip(ys, cot, strict=True)) + s_out.sum()).backward()
+        parts = [tensors["mix"][m].detach().clone().view(1, 1, C).requires_grad_() for m in range(M)]
+        x2, w2, b2, s2 = (tensors[n].detach().clone().requires_grad_() for n in ("x", "weight", "bias", "state"))
+        ys2, s_out2 = shift_mix(x2, w2, b2, parts, s2, backend=bk.name)
+        (sum((y * c).sum() for y, c in zip(ys2, cot, strict=True)) + s_out2.sum()).backward()
+        got = (*ys2, s_out2, x2.grad, w2.grad, b2.grad, s2.grad)
+        for a, b_ in zip((*ys, s_out, x.grad, w.grad, b.grad, s.grad), got, strict=True):
+            assert torch.equal(a, b_), bk.name
+        for m, p in enumerate(parts):
+            assert p.grad.shape == (1, 1, C) and torch.equal(p.grad.view(C), stacked.grad[m]), (bk.name, m)

@@ -32,6 +32,8 @@ def inputs(dtype, seed=0):
 
 
 def run(args, dys, ds, dx_add=None):
+    x, weight, bias, mix, state = args
+    args = (x, weight, bias, [*mix], state)  # the kernels take the M lerp weights as M tensors
     ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(*args, 1e-5)
     grads = torch.ops.rwkvx.shift_mix_cpu_bwd(dys, ds, *args, mean, rstd, dx_add)
     return (*ys, s_out, mean, rstd), grads

@@ -154,7 +154,8 @@ def block_op_calls():
 def shift_mix_calls(gen):
     C = H * N
     x = 0.3 + torch.randn(B, T, C, generator=gen)
-    sm = (x, 0.5 + torch.rand(C, generator=gen), 0.2 * torch.randn(C, generator=gen), torch.rand(3, C, generator=gen))
+    mix = [torch.rand(1, 1, C, generator=gen) for _ in range(3)]  # M tensors of C values (the model's parameters)
+    sm = (x, 0.5 + torch.rand(C, generator=gen), 0.2 * torch.randn(C, generator=gen), mix)
     sm = (*sm, torch.randn(B, C, generator=gen))
     ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_cpu_fwd(*sm, 1e-5)
     dys = [torch.randn_like(ys[0]), None, torch.randn_like(ys[2])]

@@ -328,7 +328,8 @@ def _op_calls():
     calls["delta_triton_fwd"] = (*d, 0.5)
     calls["delta_triton_bwd"] = (*d[:5], snaps, *like(y, s_out), 0.5)
     C = H * N  # the fused block ops: rows of C = H·N channels
-    sm = (_rand(B, T, C, gen=gen), _rand(C, gen=gen, lo=0.5, hi=1.5), _rand(C, gen=gen), _rand(3, C, gen=gen, lo=0.0))
+    sm = (_rand(B, T, C, gen=gen), _rand(C, gen=gen, lo=0.5, hi=1.5), _rand(C, gen=gen))
+    sm += ([_rand(C, gen=gen, lo=0.0) for _ in range(3)],)
     sm += (_rand(B, C, gen=gen),)
     ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*sm, 1e-5)
     calls["shift_mix_triton_fwd"] = (*sm, 1e-5)

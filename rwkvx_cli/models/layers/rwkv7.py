@@ -123,7 +123,7 @@ class RWKV7TimeMix(nn.Module):
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         s = state or {}
-        mix = torch.cat([getattr(self, name) for name in MIXES], dim=1).view(len(MIXES), C)
+        mix = [getattr(self, name) for name in MIXES]  # as they are: the kernels take six pointers
         (xr, xw, xk, xv, xa, xg), att_shift, x = shift_mix(
             x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps, residual=True
         )

@@ -58,12 +58,12 @@ def relu2_triton_bwd(da: Tensor, a: Tensor) -> Tensor:
 
 
 def _shift_fwd(x, weight, bias, mix, state, eps):
-    (xk,), s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(x, weight, bias, mix, state, eps)
+    (xk,), s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(x, weight, bias, [*mix], state, eps)
     return xk, s_out, mean, rstd
 
 
 def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
-    return torch.ops.rwkvx.shift_mix_triton_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+    return torch.ops.rwkvx.shift_mix_triton_bwd([dxk], dstate_out, x, weight, bias, [*mix], state, mean, rstd, dx_add)
 
 
 # x_k comes back in x's dtype (the compute dtype's rounding to it is what the Function's cast to the

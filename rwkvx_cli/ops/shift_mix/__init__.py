@@ -2,7 +2,8 @@
 six, RWKV-4's three) and channel mix (docs/operators.md#shift_mix).
 
 For x [B, T, C], with x̂ = LayerNorm(x) over C (weight, bias [C], `eps`) and x̂[-1] = state [B, C]
-(the last x̂ of the previous segment; zeros when None):
+(the last x̂ of the previous segment; zeros when None), and mix one [M, C] tensor or M tensors of C
+values each (a model's parameters as they are: no cat of them each step):
 
     y_m[t] = x̂[t] + (x̂[t-1] - x̂[t]) ⊙ mix[m]          m = 0 .. M-1, mix [M, C], 1 <= M <= 8
 
@@ -28,6 +29,31 @@ STATES = ("state",)
 MAX_MIXES = 8  # the kernels take at most this many lerps
 
 
+def _check_mix(mix, C: int, device: torch.device) -> None:
+    """mix: one [M, C] tensor, or a list or tuple of M tensors of C values each (the model's
+    parameters, [1, 1, C], as they are), 1 <= M <= MAX_MIXES, floating point, on x's device."""
+    if isinstance(mix, torch.Tensor):
+        if not mix.is_floating_point():
+            raise ValueError(f"mix must be a floating-point torch.Tensor, got {mix.dtype}")
+        if mix.dim() != 2 or mix.shape[1] != C or not 1 <= mix.shape[0] <= MAX_MIXES:
+            raise ValueError(f"mix must have shape [M, {C}] with 1 <= M <= {MAX_MIXES}, got {tuple(mix.shape)}")
+        parts = [mix]
+    elif isinstance(mix, (list, tuple)) and 1 <= len(mix) <= MAX_MIXES:
+        parts = list(mix)
+        for i, m in enumerate(parts):
+            if not isinstance(m, torch.Tensor) or not m.is_floating_point() or m.numel() != C:
+                what = tuple(m.shape) if isinstance(m, torch.Tensor) else type(m).__name__
+                raise ValueError(f"mix[{i}] must be a floating-point tensor of {C} values, got {what}")
+    else:
+        raise ValueError(
+            f"mix must be an [M, {C}] tensor or a list of M tensors of {C} values, 1 <= M <= {MAX_MIXES}, "
+            f"got {type(mix).__name__}" + (f" of {len(mix)}" if isinstance(mix, (list, tuple)) else "")
+        )
+    for m in parts:
+        if m.device != device:
+            raise ValueError(f"mix is on {m.device} but x is on {device}")
+
+
 def shift_mix(
     x: torch.Tensor,
     weight: torch.Tensor,
@@ -45,12 +71,7 @@ def shift_mix(
     B, T, C = x.shape
     weight = per_channel("weight", weight, C, x.device)
     bias = per_channel("bias", bias, C, x.device)
-    if not isinstance(mix, torch.Tensor) or not mix.is_floating_point():
-        raise ValueError(f"mix must be a floating-point torch.Tensor, got {type(mix).__name__}")
-    if mix.dim() != 2 or mix.shape[1] != C or not 1 <= mix.shape[0] <= MAX_MIXES:
-        raise ValueError(f"mix must have shape [M, {C}] with 1 <= M <= {MAX_MIXES}, got {tuple(mix.shape)}")
-    if mix.device != x.device:
-        raise ValueError(f"mix is on {mix.device} but x is on {x.device}")
+    _check_mix(mix, C, x.device)
     eps = check_eps(eps)
     if state is not None:
         check_state("state", state, (B, C), x.device)

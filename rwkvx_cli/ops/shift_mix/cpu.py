@@ -53,20 +53,22 @@ def _optional(t: Tensor | None):
 
 @cpu_kernel_op("rwkvx::shift_mix_cpu_fwd")
 def shift_mix_cpu_fwd(
-    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor | None, eps: float
+    x: Tensor, weight: Tensor, bias: Tensor, mix: list[Tensor], state: Tensor | None, eps: float
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """The forward kernel: x [B, T, C], weight, bias [C], mix [M, C] (M <= 8), state [B, C] (None:
-    zeros), all fp32 or all fp64. Returns ([y_0, ..., y_{M-1}] each [B, T, C], state_out [B, C], and
-    the LayerNorm's mean and 1/std [B, T])."""
+    """The forward kernel: x [B, T, C], weight, bias [C], mix M (<= 8) lerp weights of C values each,
+    state [B, C] (None: zeros), all fp32 or all fp64. Returns ([y_0, ..., y_{M-1}] each [B, T, C],
+    state_out [B, C], and the LayerNorm's mean and 1/std [B, T])."""
     B, T, C = x.shape
-    M = mix.shape[0]
+    M = len(mix)
     if not 1 <= M <= MAX_MIXES:
         raise ValueError(f"the shift_mix cpu kernel takes 1 to {MAX_MIXES} lerps, got {M}")
-    ins = [t.contiguous() for t in (x, weight, bias, mix)]
+    ins = [t.contiguous() for t in (x, weight, bias)]
+    mix = [m.contiguous() for m in mix]
     ys, s_out, mean, rstd = _shift_mix_fwd_fake(x, weight, bias, mix, state, eps)
     fn = _kernel("shift_mix_forward", x)
     fn(
         *map(ptr, ins),
+        ptr_array(mix),
         _optional(_contiguous(state)),
         ptr_array(ys),
         *map(ptr, (s_out, mean, rstd)),
@@ -78,7 +80,7 @@ def shift_mix_cpu_fwd(
 @shift_mix_cpu_fwd.register_fake
 def _shift_mix_fwd_fake(x, weight, bias, mix, state, eps):
     B, T, C = x.shape
-    return [x.new_empty(B, T, C) for _ in range(mix.shape[0])], x.new_empty(B, C), x.new_empty(B, T), x.new_empty(B, T)
+    return [x.new_empty(B, T, C) for _ in range(len(mix))], x.new_empty(B, C), x.new_empty(B, T), x.new_empty(B, T)
 
 
 @cpu_kernel_op("rwkvx::shift_mix_cpu_bwd")
@@ -88,7 +90,7 @@ def shift_mix_cpu_bwd(
     x: Tensor,
     weight: Tensor,
     bias: Tensor,
-    mix: Tensor,
+    mix: list[Tensor],
     state: Tensor | None,
     mean: Tensor,
     rstd: Tensor,
@@ -99,18 +101,20 @@ def shift_mix_cpu_bwd(
     a gradient added into dx (None: nothing). Returns (dx, dweight, dbias, dmix [M, C], dstate),
     dstate empty ([0]) for a None state."""
     B, T, C = x.shape
-    M = mix.shape[0]
+    M = len(mix)
     if len(dys) != M:
         raise ValueError(f"shift_mix_cpu_bwd: {len(dys)} output cotangents for {M} lerps")
     dys = [_contiguous(g) for g in dys]
     dstate_out, dx_add, state = _contiguous(dstate_out), _contiguous(dx_add), _contiguous(state)
-    ins = [t.contiguous() for t in (x, weight, bias, mix)]
+    ins = [t.contiguous() for t in (x, weight, bias)]
+    mix = [m.contiguous() for m in mix]
     grads = _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
     fn = _kernel("shift_mix_backward", x)
     fn(
         ptr_array(dys),
         _optional(dstate_out),
         *map(ptr, ins),
+        ptr_array(mix),
         _optional(state),
         *map(ptr, (mean.contiguous(), rstd.contiguous())),
         _optional(dx_add),
@@ -125,37 +129,61 @@ def shift_mix_cpu_bwd(
 def _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
     B, T, C = x.shape
     dstate = x.new_empty(0) if state is None else state.new_empty(B, C)
-    return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), mix.new_empty(mix.shape), dstate
+    return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), x.new_empty(len(mix), C), dstate
+
+
+def mix_rows(mix: tuple[torch.Tensor, ...], dtype: torch.dtype) -> list[torch.Tensor]:
+    """The M lerp weights, each [C] in `dtype`: the rows of one [M, C] tensor, or M tensors of C values
+    (the model's parameters as they are)."""
+    if len(mix) == 1 and mix[0].dim() == 2:
+        mix = mix[0].unbind(0)
+    return [m.detach().to(dtype).reshape(-1) for m in mix]
+
+
+def mix_grads(dmix: Tensor, mix_like: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
+    """The kernel's dmix [M, C] as the gradients of mix given as `mix_like` (shapes, dtypes): one [M, C]
+    tensor, or a view of a row for each of M tensors."""
+    if len(mix_like) == 1 and len(mix_like[0][0]) == 2:
+        return [dmix.to(mix_like[0][1])]
+    return [d.view(shape).to(dt) for d, (shape, dt) in zip(dmix, mix_like, strict=True)]
 
 
 class _ShiftMixCPU(torch.autograd.Function):
+    """Inputs (x, weight, bias, state, eps, residual, *mix): mix one [M, C] tensor, or M tensors of C
+    values each (the model's parameters, passed as they are: no cat of them)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, mix, state, eps, residual):
+    def forward(ctx, x, weight, bias, state, eps, residual, *mix):
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
-        xc, *params = (t.detach().to(cdt).contiguous() for t in (x, weight, bias, mix))
+        xc, *params = (t.detach().to(cdt).contiguous() for t in (x, weight, bias))
+        rows = mix_rows(mix, cdt)
         s0 = None if state is None else state.detach().to(cdt).contiguous()
-        ys, s_out, mean, rstd = shift_mix_cpu_fwd(xc, *params, s0, eps)
-        ctx.save_for_backward(xc, *params, s0, mean, rstd)
+        ys, s_out, mean, rstd = shift_mix_cpu_fwd(xc, *params, rows, s0, eps)
+        ctx.save_for_backward(xc, *params, s0, mean, rstd, *rows)
         ctx.set_materialize_grads(False)  # an unused output's cotangent stays None: the kernel skips it
-        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, None if state is None else state.dtype)
+        ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, None if state is None else state.dtype)
+        ctx.mix_like = [(m.shape, m.dtype) for m in mix]
         ctx.residual = residual
         return (*(y.to(x.dtype) for y in ys), s_out, *((x,) if residual else ()))  # x as is: autograd views it
 
     @staticmethod
     def backward(ctx, *douts):
-        x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
+        x, weight, bias, s0, mean, rstd, *rows = ctx.saved_tensors
         dres = douts[-1] if ctx.residual else None  # the residual stream's gradient: added into dx by the kernel
         douts = douts[:-1] if ctx.residual else douts
         *dys, ds = (None if g is None else g.to(x.dtype) for g in douts)
         dres = None if dres is None else dres.to(x.dtype)
-        grads = shift_mix_cpu_bwd(dys, ds, x, weight, bias, mix, s0, mean, rstd, dres)
-        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
+        dx, dw, db, dmix, dstate = shift_mix_cpu_bwd(dys, ds, x, weight, bias, rows, s0, mean, rstd, dres)
+        grads = [None if dt is None else g.to(dt) for g, dt in zip((dx, dw, db, dstate), ctx.dtypes, strict=True)]
+        return (*grads, None, None, *mix_grads(dmix, ctx.mix_like))
 
 
 def shift_mix_cpu(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
     """state None: the zero state, with no tensor for it (Backend.optional_state). `residual`: x is
-    returned too, its gradient added into dx by the kernel (the public function's docstring)."""
-    outs = _ShiftMixCPU.apply(x, weight, bias, mix, state, eps, residual)
+    returned too, its gradient added into dx by the kernel (the public function's docstring). mix:
+    one [M, C] tensor or a sequence of M tensors of C values."""
+    mixes = (mix,) if isinstance(mix, torch.Tensor) else tuple(mix)
+    outs = _ShiftMixCPU.apply(x, weight, bias, state, eps, residual, *mixes)
     if residual:
         *ys, s_out, x_out = outs
         return tuple(ys), s_out, x_out

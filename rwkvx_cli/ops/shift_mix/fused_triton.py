@@ -44,7 +44,7 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     wrap_triton,
 )
 
-SLOTS = 8  # pointer arguments for the outputs (shift_mix.MAX_MIXES)
+SLOTS = 8  # pointer arguments for the outputs, their gradients and the lerp weights (shift_mix.MAX_MIXES)
 # Warps per program; the column-block backward takes twice as many past 6 lerps (half the
 # elements per thread): at M = 8 with 4 warps it spills 8 bytes on sm_80 (bf16).
 WARPS = 4
@@ -96,7 +96,7 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        x, weight, bias, mix, state,
+        x, weight, bias, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state,
         y0, y1, y2, y3, y4, y5, y6, y7, s_out, mean_out, rstd_out,
         R, T, C, eps,
         M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
@@ -127,14 +127,15 @@ if triton is not None:
             s0 = tl.load(state + soff, mask=first[:, None] & mc[None, :], other=0.0).to(DT)
             dd = tl.where(first[:, None], s0, xp) - xn
             for i in tl.static_range(M):
-                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                mx = tl.load(_pick(i, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7) + cols, mask=mc, other=0.0)
+                mx = mx.to(DT)[None, :]
                 y = _pick(i, y0, y1, y2, y3, y4, y5, y6, y7)
                 tl.store(y + off, (xn + dd * mx).to(y.dtype.element_ty), mask=m)
             tl.store(s_out + soff, xn, mask=last[:, None] & mc[None, :])
 
     @triton.jit
     def _bwd_rows_kernel(
-        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, x, weight, mix, mean, rstd,
+        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, x, weight, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, mean, rstd,
         sums,
         R, T, C,
         M: tl.constexpr, HAS_DS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
@@ -158,7 +159,8 @@ if triton is not None:
             n = (tl.load(x + off, mask=m, other=0.0).to(DT) - mu[:, None]) * rs[:, None]
             dxn = tl.zeros([BT, BC], dtype=DT)
             for i in tl.static_range(M):
-                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                mx = tl.load(_pick(i, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7) + cols, mask=mc, other=0.0)
+                mx = mx.to(DT)[None, :]
                 dy = _pick(i, dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7)
                 g0 = tl.load(dy + off, mask=m, other=0.0).to(DT)
                 g1 = tl.load(dy + off + C, mask=nxt[:, None] & mc[None, :], other=0.0).to(DT)
@@ -173,7 +175,8 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, dx_add, x, weight, bias, mix, state, mean, rstd, sums,
+        dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, dx_add, x, weight, bias,
+        mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state, mean, rstd, sums,
         dx, dstate, dw_p, db_p, dmix_p,
         R, T, C, RP,
         M: tl.constexpr, HAS_DS: tl.constexpr, HAS_ADD: tl.constexpr,
@@ -217,7 +220,8 @@ if triton is not None:
             dxn = tl.zeros([BT, BC], dtype=DT)
             dst = tl.zeros([BT, BC], dtype=DT)
             for i in tl.static_range(M):
-                mx = tl.load(mix + i * C + cols, mask=mc, other=0.0).to(DT)[None, :]
+                mx = tl.load(_pick(i, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7) + cols, mask=mc, other=0.0)
+                mx = mx.to(DT)[None, :]
                 dy = _pick(i, dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7)
                 g0 = tl.load(dy + off, mask=m, other=0.0).to(DT)
                 g1 = tl.load(dy + off + C, mask=(ok & (t < T - 1))[:, None] & mc[None, :], other=0.0).to(DT)
@@ -293,21 +297,22 @@ def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
 
 @triton_op("rwkvx::shift_mix_triton_fwd")
 def shift_mix_triton_fwd(
-    x: Tensor, weight: Tensor, bias: Tensor, mix: Tensor, state: Tensor, eps: float
+    x: Tensor, weight: Tensor, bias: Tensor, mix: list[Tensor], state: Tensor, eps: float
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
-    """The forward kernel: x [B, T, C], weight and bias [C], mix [M, C] (any floating dtypes), the
-    state [B, C] in the compute dtype. Returns ([y_0 .. y_{M-1}] in x's dtype, state_out [B, C], and
-    the LayerNorm's mean and 1/std [B, T], in the compute dtype)."""
+    """The forward kernel: x [B, T, C], weight and bias [C], mix M lerp weights of C values each (any
+    floating dtypes), the state [B, C] in the compute dtype. Returns ([y_0 .. y_{M-1}] in x's dtype,
+    state_out [B, C], and the LayerNorm's mean and 1/std [B, T], in the compute dtype)."""
     B, T, C = x.shape
-    M = mix.shape[0]
-    x, weight, bias, mix, state = (t.contiguous() for t in (x, weight, bias, mix, state))
+    M = len(mix)
+    x, weight, bias, state = (t.contiguous() for t in (x, weight, bias, state))
+    mix = [m.contiguous() for m in mix]
     cdt, DT = compute_dtype(x.dtype)
     BC, BT, _ = _tiles(C)
     ys = [torch.empty_like(x) for _ in range(M)]
     s_out = torch.empty_like(state)
     mean, rstd = (torch.empty(B, T, dtype=cdt, device=x.device) for _ in range(2))
     wrap_triton(_fwd_kernel)[(triton.cdiv(B * T, BT),)](
-        x, weight, bias, mix, state, *_slots(ys, x), s_out, mean, rstd,
+        x, weight, bias, *_slots(mix, x), state, *_slots(ys, x), s_out, mean, rstd,
         B * T, T, C, eps, M, BT, BC, DT, num_warps=WARPS,
     )  # fmt: skip
     return ys, s_out, mean, rstd
@@ -320,20 +325,21 @@ def shift_mix_triton_bwd(
     x: Tensor,
     weight: Tensor,
     bias: Tensor,
-    mix: Tensor,
+    mix: list[Tensor],
     state: Tensor,
     mean: Tensor,
     rstd: Tensor,
     dx_add: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernels: the cotangents of M outputs [B, T, C] (one dtype), with mix [M, C] the
-    lerp weights of those M; the state_out cotangent [B, C] (or None); the forward's inputs and
-    statistics; dx_add [B, T, C] added into dx (or None). Returns (dx in x's dtype, then dweight,
-    dbias [C], dmix [M, C], dstate [B, C] in the compute dtype)."""
+    """The backward kernels: the cotangents of M outputs [B, T, C] (one dtype), with mix the M lerp
+    weights of those M (C values each); the state_out cotangent [B, C] (or None); the forward's
+    inputs and statistics; dx_add [B, T, C] added into dx (or None). Returns (dx in x's dtype, then
+    dweight, dbias [C], dmix [M, C], dstate [B, C] in the compute dtype)."""
     B, T, C = x.shape
     M, R = len(dys), B * T
     dys = [g.contiguous() for g in dys]
-    x, weight, bias, mix, state, mean, rstd = (t.contiguous() for t in (x, weight, bias, mix, state, mean, rstd))
+    x, weight, bias, state, mean, rstd = (t.contiguous() for t in (x, weight, bias, state, mean, rstd))
+    mix = [m.contiguous() for m in mix]
     ds = x if ds_out is None else ds_out.contiguous()
     add = x if dx_add is None else dx_add.contiguous()
     cdt, DT = compute_dtype(x.dtype)
@@ -347,51 +353,60 @@ def shift_mix_triton_bwd(
     dw_p, db_p, dmix_p = empty(P, C), empty(P, C), empty(P, M, C)
     slots = _slots(dys, x)
     wrap_triton(_bwd_rows_kernel)[(triton.cdiv(R, BT),)](
-        *slots, ds, x, weight, mix, mean, rstd, sums,
+        *slots, ds, x, weight, *_slots(mix, x), mean, rstd, sums,
         R, T, C, M, ds_out is not None, BT, BC, DT, num_warps=WARPS,
     )  # fmt: skip
     wrap_triton(_bwd_kernel)[(P, NCB)](
-        *slots, ds, add, x, weight, bias, mix, state, mean, rstd, sums, dx, dstate, dw_p, db_p, dmix_p,
+        *slots, ds, add, x, weight, bias, *_slots(mix, x), state, mean, rstd, sums, dx, dstate, dw_p, db_p, dmix_p,
         R, T, C, RP, M, ds_out is not None, dx_add is not None, BT2, BC, DT, num_warps=WARPS if M <= 6 else 2 * WARPS,
     )  # fmt: skip
     return dx, dw_p.sum(0), db_p.sum(0), dmix_p.sum(0), dstate
 
 
 class _ShiftMixTriton(torch.autograd.Function):
+    """Inputs (x, weight, bias, state, eps, residual, *mix): mix one [M, C] tensor, or M tensors of C
+    values each (the kernels take M pointers either way: no cat of the model's parameters)."""
+
     @staticmethod
-    def forward(ctx, x, weight, bias, mix, state, eps, residual):
+    def forward(ctx, x, weight, bias, state, eps, residual, *mix):
         B, T, C = x.shape
         index_offsets(B, T, C)
         cdt, _ = compute_dtype(x.dtype)
-        ins = [t.detach() for t in (x, weight, bias, mix)]
+        ins = [t.detach() for t in (x, weight, bias)]
+        rows = [m.detach().reshape(-1) for m in (mix[0].unbind(0) if len(mix) == 1 and mix[0].dim() == 2 else mix)]
         s0 = state.detach().to(cdt)
-        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, s0, eps)
-        ctx.save_for_backward(*ins, s0, mean, rstd)
-        ctx.dtypes = (weight.dtype, bias.dtype, mix.dtype, state.dtype)
+        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, rows, s0, eps)
+        ctx.save_for_backward(*ins, s0, mean, rstd, *rows)
+        ctx.dtypes = (weight.dtype, bias.dtype, state.dtype)
+        ctx.mix_like = [(m.shape, m.dtype) for m in mix]
         ctx.residual = residual
         return (*ys, s_out, *((x,) if residual else ()))  # x as is: autograd views it
 
     @staticmethod
     def backward(ctx, *grads):
-        x, weight, bias, mix, s0, mean, rstd = ctx.saved_tensors
+        x, weight, bias, s0, mean, rstd, *rows = ctx.saved_tensors
         dres = grads[-1] if ctx.residual else None  # the residual stream's gradient: added into dx by the kernel
         *dys, ds_out = grads[:-1] if ctx.residual else grads
         kept = [i for i, g in enumerate(dys) if g is not None]  # the outputs a loss reached
-        sel = mix if len(kept) == len(dys) else mix[kept]
         dx, dw, db, dmix_k, dstate = torch.ops.rwkvx.shift_mix_triton_bwd(
-            [dys[i] for i in kept], ds_out, x, weight, bias, sel, s0, mean, rstd, dres
+            [dys[i] for i in kept], ds_out, x, weight, bias, [rows[i] for i in kept], s0, mean, rstd, dres
         )
         if len(kept) < len(dys):
-            dmix = dmix_k.new_zeros(mix.shape)
+            dmix = dmix_k.new_zeros(len(dys), dmix_k.shape[1])
             dmix[kept] = dmix_k
         else:
             dmix = dmix_k
-        wdt, bdt, mdt, sdt = ctx.dtypes
-        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dmix.to(mdt), dstate.to(sdt), None, None
+        wdt, bdt, sdt = ctx.dtypes
+        if len(ctx.mix_like) == 1 and len(ctx.mix_like[0][0]) == 2:  # one [M, C] tensor
+            dmixes = [dmix.to(ctx.mix_like[0][1])]
+        else:
+            dmixes = [d.view(shape).to(dt) for d, (shape, dt) in zip(dmix, ctx.mix_like, strict=True)]
+        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dstate.to(sdt), None, None, *dmixes
 
 
 def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
-    outs = _ShiftMixTriton.apply(x, weight, bias, mix, state, eps, residual)
+    mixes = (mix,) if isinstance(mix, torch.Tensor) else tuple(mix)
+    outs = _ShiftMixTriton.apply(x, weight, bias, state, eps, residual, *mixes)
     if residual:
         *ys, s_out, x_out = outs
         return tuple(ys), s_out, x_out

@@ -14,6 +14,6 @@ def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5, resid
     xn = F.layer_norm(x.to(dt), (C,), weight.to(dt), bias.to(dt), eps)
     prev = torch.cat([state[:, None].to(dt), xn[:, :-1]], dim=1)
     xx = prev - xn
-    mix = mix.to(dt)
+    mix = (mix if isinstance(mix, torch.Tensor) else torch.stack([m.reshape(C) for m in mix])).to(dt)
     outs = tuple((xn + xx * mix[m]).to(x.dtype) for m in range(mix.shape[0]))
     return (outs, xn[:, -1], x) if residual else (outs, xn[:, -1])

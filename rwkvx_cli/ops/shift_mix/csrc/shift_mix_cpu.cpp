@@ -3,7 +3,9 @@
 // per call: OpenMP threads take contiguous ranges of the B·T rows, and a row's few passes (its
 // LayerNorm's sums, then the outputs) run on data already in L1.
 //
-// Layout: x, y_m, dy_m, dx, dx_add [B, T, C] contiguous; weight, bias [C]; mix, dmix [M, C];
+// Layout: x, y_m, dy_m, dx, dx_add [B, T, C] contiguous; weight, bias [C]; mix an array of M
+// pointers to the lerps' weights [C] each (the model's M parameters, or the rows of one [M, C]
+// tensor), dmix [M, C];
 // state, state_out and their gradients [B, C]; mean, rstd [B, T]. The M outputs and their
 // gradients are arrays of M pointers (a null gradient is absent: zero); a null dstate_out or
 // dx_add is zero too, and a null state is the zero state, whose gradient (dstate, null) is not
@@ -448,7 +450,7 @@ struct Forward {
 };
 
 template <typename F>
-void forward(const F* x, const F* weight, const F* bias, const F* mix, const F* state, F* const* ys, F* state_out,
+void forward(const F* x, const F* weight, const F* bias, const F* const* mix, const F* state, F* const* ys, F* state_out,
              F* mean, F* rstd, int B, int T, int C, int M, int threads, double eps) {
   const int64_t rows = (int64_t)B * T;
   if (rows == 0 || C == 0) return;
@@ -456,7 +458,7 @@ void forward(const F* x, const F* weight, const F* bias, const F* mix, const F* 
   std::vector<double> params((size_t)(M + 2) * Cp);  // weight, bias, mix_0 .. mix_{M-1}: fp64, padded rows
   double *w64 = params.data(), *b64 = w64 + Cp, *m64 = b64 + Cp;
   to_double(weight, C, Cp, w64), to_double(bias, C, Cp, b64);
-  for (int m = 0; m < M; m++) to_double(mix + (int64_t)m * C, C, Cp, m64 + m * Cp);
+  for (int m = 0; m < M; m++) to_double(mix[m], C, Cp, m64 + m * Cp);
   const int nt = team(threads, rows, C);
   const Forward<F> k{x, state, ys, state_out, w64, b64, m64, T, C, Cp, eps};
 #pragma omp parallel num_threads(nt)
@@ -614,7 +616,7 @@ struct Backward {
 };
 
 template <typename F>
-void backward(const F* const* dys, const F* dstate_out, const F* x, const F* weight, const F* bias, const F* mix,
+void backward(const F* const* dys, const F* dstate_out, const F* x, const F* weight, const F* bias, const F* const* mix,
               const F* state, const F* mean, const F* rstd, const F* dx_add, F* dx, F* dweight, F* dbias, F* dmix,
               F* dstate, int B, int T, int C, int M, int threads) {
   typedef Backward<F> Bk;
@@ -636,7 +638,7 @@ void backward(const F* const* dys, const F* dstate_out, const F* x, const F* wei
   std::vector<double> w64(Cp), mixc(std::max<int64_t>(PC, 1));
   to_double(weight, C, Cp, w64.data());
   for (int p = 0; p < P; p++)
-    for (int c = 0; c < C; c++) mixc[(c - c % L) * P + p * L + c % L] = mix[(int64_t)present[p] * C + c];
+    for (int c = 0; c < C; c++) mixc[(c - c % L) * P + p * L + c % L] = mix[present[p]][c];
   const int nt = team(threads, rows, C);
   const int64_t dstride = PC + 2 * Cp + 5 * Cp;  // per thread: dmix, dweight, dbias sums; five rows
   std::vector<double*> sums(nt);  // each thread's dmix, dweight and dbias sums, for the reduction
@@ -671,13 +673,13 @@ void backward(const F* const* dys, const F* dstate_out, const F* x, const F* wei
 extern "C" {
 
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                    \
-  void shift_mix_forward_##SUFFIX(const F* x, const F* weight, const F* bias, const F* mix, const F* state,      \
+  void shift_mix_forward_##SUFFIX(const F* x, const F* weight, const F* bias, const F* const* mix, const F* state,\
                                   F* const* ys, F* state_out, F* mean, F* rstd, int B, int T, int C, int M,        \
                                   int threads, double eps) {                                                       \
     forward<F>(x, weight, bias, mix, state, ys, state_out, mean, rstd, B, T, C, M, threads, eps);              \
   }                                                                                                                \
   void shift_mix_backward_##SUFFIX(const F* const* dys, const F* dstate_out, const F* x, const F* weight,        \
-                                   const F* bias, const F* mix, const F* state, const F* mean, const F* rstd,      \
+                                   const F* bias, const F* const* mix, const F* state, const F* mean, const F* rstd,\
                                    const F* dx_add, F* dx, F* dweight, F* dbias, F* dmix, F* dstate, int B, int T, \
                                    int C, int M, int threads) {                                                    \
     backward<F>(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, dx, dweight, dbias, dmix,       \
