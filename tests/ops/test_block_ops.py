@@ -172,3 +172,32 @@ def test_shift_mix_takes_the_lerp_weights_as_separate_tensors():
             assert torch.equal(a, b_), bk.name
         for m, p in enumerate(parts):
             assert p.grad.shape == (1, 1, C) and torch.equal(p.grad.view(C), stacked.grad[m]), (bk.name, m)
+
+
+def test_rwkv7_prep_passes_r_on_with_its_gradient():
+    """pass_r=True: every backend also returns r itself, and a time mix that feeds that r to another op (wkv7 in
+    the model; a product here) has the reference's values and gradients: the kernels add the other op's gradient
+    of r into dr. With and without the value residual (the first layer)."""
+    from rwkvx_cli.ops import rwkv7_prep
+
+    spec = get_op("rwkv7_prep")
+    for case in spec.cases[:2]:
+        tensors = spec.sample(case, torch.Generator().manual_seed(10))
+        probe = torch.randn(tensors["r"].shape, generator=torch.Generator().manual_seed(11), dtype=torch.float64)
+
+        def run(backend, dtype, case=case, tensors=tensors, probe=probe):
+            leaves = {
+                n: None if n in case.absent else tensors[n].detach().to(dtype).requires_grad_() for n in spec.inputs
+            }
+            *outs, r = rwkv7_prep(*(leaves[n] for n in spec.inputs), pass_r=True, backend=backend)
+            assert r.data_ptr() == leaves["r"].data_ptr()  # r itself, no copy
+            p = probe.to(dtype)
+            (sum((o * (i + 1) * p).sum() for i, o in enumerate(outs)) + (r * r * p).sum()).backward()
+            return {n: t.grad.double() for n, t in leaves.items() if t is not None}
+
+        want = run("reference", torch.float64)
+        for bk in spec.production_backends():
+            for dtype, tol in ((torch.float64, 1e-12), (torch.float32, 1e-4)):
+                got = run(bk.name, dtype)
+                for n, g in got.items():
+                    assert (g - want[n]).abs().max() <= tol * want[n].abs().max(), (bk.name, dtype, case.name, n)

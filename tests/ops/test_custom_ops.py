@@ -143,8 +143,9 @@ def block_op_calls():
     return [
         (prep_fwd, (*seq, *params)),
         (prep_fwd, tuple(first)),
-        (prep_bwd, (*seq, *params, *cots)),
-        (prep_bwd, (*first, cots[0], cots[1], None, cots[3], None, cots[5])),
+        (prep_bwd, (*seq, *params, *cots, None)),
+        (prep_bwd, (*seq, *params, *cots, torch.randn_like(seq[0]))),  # dr_add: r's gradient from wkv7
+        (prep_bwd, (*first, cots[0], cots[1], None, cots[3], None, cots[5], None)),
         (torch.ops.rwkvx.rwkv7_out_cpu_fwd, (y, bonus, g, params[0], params[1], 64e-5)),
         (torch.ops.rwkvx.rwkv7_out_cpu_bwd, (y, bonus, g, params[0], params[1], mean, rstd, torch.randn_like(o))),
         *shift_mix_calls(gen),

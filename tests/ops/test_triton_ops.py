@@ -339,7 +339,7 @@ def _op_calls():
     outs = torch.ops.rwkvx.rwkv7_prep_triton_fwd(*seq, *par)
     calls["rwkv7_prep_triton_fwd"] = (*seq, *par)
     w, kp, a, b, bonus, vp = like(*outs)
-    calls["rwkv7_prep_triton_bwd"] = (*seq, *par, w, kp, vp, a, b, bonus)
+    calls["rwkv7_prep_triton_bwd"] = (*seq, *par, w, kp, vp, a, b, bonus, *like(seq[0]))
     ro = (*(_rand(B, T, H, N, gen=gen) for _ in range(3)), _rand(C, gen=gen, lo=0.5, hi=1.5), _rand(C, gen=gen))
     out = torch.ops.rwkvx.rwkv7_out_triton_fwd(*ro, 64e-5)
     calls["rwkv7_out_triton_fwd"] = (*ro, 64e-5)

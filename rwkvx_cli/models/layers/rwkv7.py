@@ -137,13 +137,13 @@ class RWKV7TimeMix(nn.Module):
         def heads(t):
             return None if t is None else t.view(B, T, H, N)
 
-        w, k, v_mixed, a, b, bonus = rwkv7_prep(
+        w, k, v_mixed, a, b, bonus, r = rwkv7_prep(
             *map(heads, (r, k, v, w_lora, a_lora, None if first else v_first, v_lora)),
-            self.w0, self.a0, self.v0, self.k_k, self.k_a, self.r_k,
+            self.w0, self.a0, self.v0, self.k_k, self.k_a, self.r_k, pass_r=True,
         )  # fmt: skip
         if first:
             v_first = v
-        y, wkv = wkv7(heads(r), w, k, v_mixed, a, b, state=s.get("wkv"))
+        y, wkv = wkv7(r, w, k, v_mixed, a, b, state=s.get("wkv"))
         out = rwkv7_out(y, bonus, heads(g), self.ln_x.weight, self.ln_x.bias, eps=self.ln_x.eps)
         return add_linear(x, out.view(B, T, C), self.output), v_first, {"att_shift": att_shift, "wkv": wkv}
 

@@ -16,7 +16,10 @@ With σ the logistic function and kk normalised over each head's N channels (F.n
     bonus = (Σ_N r ⊙ k' ⊙ r_k) v'                    the current token's direct term
 
 Returns (w, k', v', a, b, bonus), each [B, T, H, N] in the inputs' dtype (computed in fp32, or
-fp64 for fp64 inputs): w, r, k', v', a, b are wkv7's inputs, bonus is rwkv7_out's. The first
+fp64 for fp64 inputs): w, r, k', v', a, b are wkv7's inputs, bonus is rwkv7_out's. With
+`pass_r=True` it also returns r itself, last, for wkv7: then r has one consumer (this op), and the
+backward kernel adds r's gradient from wkv7 into dr in the pass that forms dr, where autograd would
+add the gradients of a twice-used r in another. The first
 layer passes v_first = v_lora = None (and v0 unused); then v' is v itself. Differentiable with
 respect to every input; the parameters may have another floating dtype than the activations (fp32
 parameters with bf16 activations) and get their gradients in their own dtype. The registry entry
@@ -36,8 +39,11 @@ SEQUENCE = INPUTS[:7]  # [B, T, H, N]
 PARAMETERS = INPUTS[7:]  # per channel
 
 
-def rwkv7_prep(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, backend: str = "auto"):
-    """The recurrence's inputs and the bonus term; returns (w, k', v', a, b, bonus)."""
+def rwkv7_prep(
+    r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r: bool = False, backend: str = "auto"
+):
+    """The recurrence's inputs and the bonus term; returns (w, k', v', a, b, bonus), and r itself last with
+    `pass_r` (for wkv7: r then has one consumer, whose gradient the backward kernel adds into dr)."""
     residual = v_first is not None
     if residual != (v_lora is not None):
         raise ValueError("v_first and v_lora go together: both tensors (a later layer) or both None (the first)")
@@ -54,4 +60,6 @@ def rwkv7_prep(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r
     bk = resolve_backend(get_op("rwkv7_prep"), backend, r.device)
     if r.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of rwkv7_prep does not support float64 inputs")
+    if pass_r:
+        return bk.fn(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, pass_r=True)
     return bk.fn(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)

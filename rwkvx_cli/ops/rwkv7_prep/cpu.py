@@ -101,25 +101,33 @@ def rwkv7_prep_cpu_bwd(
     da: Tensor | None,
     db: Tensor | None,
     dbonus: Tensor | None,
+    dr_add: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernel: the forward's inputs and the cotangents of (w, k', v', a, b, bonus),
-    None where autograd gave none (read as zeros; dv_out None in the first layer). Returns the
-    gradients of the 13 inputs in order, the parameters' [C], those of v_first, v_lora and v0
-    empty ([0]) in the first layer."""
+    None where autograd gave none (read as zeros; dv_out None in the first layer), and dr_add, a
+    gradient added into dr (None: nothing). Returns the gradients of the 13 inputs in order, the
+    parameters' [C], those of v_first, v_lora and v0 empty ([0]) in the first layer."""
     B, T, H, N = r.shape
     ins = [None if x is None else x.contiguous() for x in (r, k, v, w_lora, a_lora, v_first, v_lora)]
     params = [None if p is None else p.contiguous() for p in (w0, a0, v0, k_k, k_a, r_k)]
     douts = [None if g is None else g.contiguous() for g in (dw, dk_out, dv_out, da, db, dbonus)]
-    grads = _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts)
+    grads = _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts, dr_add)
     present = sum(1 << i for i, g in enumerate(douts) if g is not None)
     fn = _kernel("rwkv7_prep_backward", r)
     residual = v_first is not None
-    fn(*_ptrs((*ins, *params, *douts, *grads), r), B * T, H, N, int(residual), present, _threads(B * T))
+    dra = None if dr_add is None else ptr(dr_add.contiguous())  # a null pointer: nothing to add
+    fn(
+        *_ptrs((*ins, *params, *douts), r),
+        dra,
+        *_ptrs(grads, r),
+        *(B * T, H, N, int(residual), present, _threads(B * T)),
+    )
     return grads
 
 
 @rwkv7_prep_cpu_bwd.register_fake
-def _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, dw, dk_out, dv_out, da, db, dbonus):
+def _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, dw, dk_out, dv_out, da, db, dbonus,
+              dr_add):
     seq, C = r.shape, w0.shape[0]
     absent = (0,) if v_first is None else None
     return (
@@ -135,35 +143,46 @@ def _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_
 
 class _Rwkv7PrepCPU(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+    def forward(ctx, pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
         inputs = (r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
         cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
         ins = [None if x is None else x.detach().to(cdt).contiguous() for x in inputs]
         w, k_out, v_out, a, b, bonus = rwkv7_prep_cpu_fwd(*ins)
         ctx.save_for_backward(*ins)  # the backward recomputes the rest from the inputs
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
+        ctx.pass_r = pass_r
         ctx.set_materialize_grads(False)
         outs = (w, k_out, v_out, a, b, bonus) if v_first is not None else (w, k_out, a, b, bonus)
-        return tuple(o.to(r.dtype) for o in outs)
+        return (*(o.to(r.dtype) for o in outs), *((r,) if pass_r else ()))  # r as is: autograd views it
 
     @staticmethod
     def backward(ctx, *douts):
         ins = ctx.saved_tensors
+        cdt = ins[0].dtype
+        dr_add = douts[-1] if ctx.pass_r else None  # r's gradient from its other consumer: added into dr
+        douts = douts[:-1] if ctx.pass_r else douts
         if ins[5] is None:  # the first layer: no v' output here (it is v itself)
             douts = (douts[0], douts[1], None, *douts[2:])
-        cdt = ins[0].dtype
         douts = [None if g is None else g.to(cdt) for g in douts]
-        grads = rwkv7_prep_cpu_bwd(*ins, *douts)
-        return tuple(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+        grads = rwkv7_prep_cpu_bwd(*ins, *douts, None if dr_add is None else dr_add.to(cdt))
+        return (None, *(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)))
 
 
-def rwkv7_prep_cpu(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+def rwkv7_prep_cpu(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r: bool = False):
     C = r.shape[-2] * r.shape[-1]
     residual = v_first is not None
     w0, a0, k_k, k_a, r_k = (p.reshape(C) for p in (w0, a0, k_k, k_a, r_k))
     v0 = v0.reshape(C) if residual else None
-    outs = _Rwkv7PrepCPU.apply(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+    outs = _Rwkv7PrepCPU.apply(pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+    return _outputs(outs, residual, v, pass_r)
+
+
+def _outputs(outs, residual: bool, v, pass_r: bool) -> tuple:
+    """(w, k', v', a, b, bonus) and r with `pass_r`, from a Function's outputs: v' absent in the first
+    layer, where it is v itself."""
+    r = (outs[-1],) if pass_r else ()
+    outs = outs[:-1] if pass_r else outs
     if residual:
-        return outs
+        return (*outs, *r)
     w, k_out, a, b, bonus = outs
-    return w, k_out, v, a, b, bonus  # v' is v itself
+    return (w, k_out, v, a, b, bonus, *r)

@@ -98,10 +98,11 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(
         r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k,
-        gw, gk, gv, ga, gb, gbonus,
+        gw, gk, gv, ga, gb, gbonus, dr_add,
         dr, dk, dv, dw_lora, da_lora, dv_first, dv_lora, parts,
         R, H, RP, PSTRIDE,
-        N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, RESIDUAL: tl.constexpr, DT: tl.constexpr,
+        N: tl.constexpr, BT: tl.constexpr, BN: tl.constexpr, RESIDUAL: tl.constexpr, HAS_DR_ADD: tl.constexpr,
+        DT: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(0)
         h = tl.program_id(1)
@@ -153,7 +154,10 @@ if triton is not None:
             dzw = tl.load(gw + off, mask=m, other=0.0).to(DT) * (-_DECAY) * sw * (1.0 - sw)
             acc_w0 += dzw
             ty = dr.dtype.element_ty
-            tl.store(dr + off, (ds * kp * rkv).to(ty), mask=m)
+            drt = ds * kp * rkv
+            if HAS_DR_ADD:
+                drt += tl.load(dr_add + off, mask=m, other=0.0).to(DT)
+            tl.store(dr + off, drt.to(ty), mask=m)
             tl.store(dk + off, (dkp * (1.0 + (ag - 1.0) * kav) + dkk0 * kkv).to(ty), mask=m)
             tl.store(dw_lora + off, dzw.to(ty), mask=m)
             tl.store(da_lora + off, dza.to(ty), mask=m)
@@ -248,11 +252,13 @@ def rwkv7_prep_triton_bwd(
     da: Tensor,
     db: Tensor,
     dbonus: Tensor,
+    dr_add: Tensor | None,
 ) -> list[Tensor]:
     """The backward kernel: the forward's inputs and the cotangents of w, k', v' (None in the first
-    layer), a, b and bonus [B, T, H, N]. Returns [dr, dk, dv, dw_lora, da_lora, (dv_first, dv_lora
-    with a value residual)] in the inputs' dtype, then the parameters' gradients as one tensor
-    [dw0, da0, dk_k, dk_a, dr_k (, dv0)] x [C] in the compute dtype."""
+    layer), a, b and bonus [B, T, H, N], and dr_add, a gradient added into dr (None: nothing).
+    Returns [dr, dk, dv, dw_lora, da_lora, (dv_first, dv_lora with a value residual)] in the
+    inputs' dtype, then the parameters' gradients as one tensor [dw0, da0, dk_k, dk_a, dr_k (, dv0)]
+    x [C] in the compute dtype."""
     B, T, H, N = r.shape
     C, R = H * N, B * T
     residual = v_first is not None
@@ -268,16 +274,17 @@ def rwkv7_prep_triton_bwd(
     dr, dk, dv, dwl, dal = outs[:5]
     dvf, dvl = outs[5:] if residual else (seq[0], seq[0])
     parts = compute_empty(cdt, r.device)(6 if residual else 5, P, C)
+    dra = seq[0] if dr_add is None else dr_add.contiguous()  # any valid pointer without HAS_DR_ADD
     wrap_triton(_bwd_kernel)[(P, H)](
-        *seq, vf, vl, *params, *grads, dr, dk, dv, dwl, dal, dvf, dvl, parts,
-        R, H, RP, P * C, N, BT, BN, residual, DT, num_warps=WARPS,
+        *seq, vf, vl, *params, *grads, dra, dr, dk, dv, dwl, dal, dvf, dvl, parts,
+        R, H, RP, P * C, N, BT, BN, residual, dr_add is not None, DT, num_warps=WARPS,
     )  # fmt: skip
     return [*outs, parts.sum(1)]
 
 
 class _Rwkv7PrepTriton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+    def forward(ctx, pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
         index_offsets(*r.shape)
         ins = [None if t is None else t.detach() for t in (r, k, v, w_lora, a_lora, v_first, v_lora)]
         params = [None if t is None else t.detach() for t in (w0, a0, v0, k_k, k_a, r_k)]
@@ -285,31 +292,36 @@ class _Rwkv7PrepTriton(torch.autograd.Function):
         ctx.residual = v_first is not None
         ctx.save_for_backward(*ins, *params)
         ctx.params = [None if p is None else (p.dtype, p.shape) for p in (w0, a0, v0, k_k, k_a, r_k)]
+        ctx.pass_r = pass_r
         w, kp, a, b, bonus, *vp = outs
-        return (w, kp, *vp, a, b, bonus)
+        return (w, kp, *vp, a, b, bonus, *((r,) if pass_r else ()))  # r as is: autograd views it
 
     @staticmethod
     def backward(ctx, *grads):
         saved = ctx.saved_tensors
         r = saved[0]
+        dr_add = grads[-1] if ctx.pass_r else None  # r's gradient from its other consumer: added into dr
+        grads = grads[:-1] if ctx.pass_r else grads
         grads = [torch.zeros_like(r) if g is None else g for g in grads]  # an output no loss reached
         if ctx.residual:
             dw, dk, dv, da, db, dbonus = grads
         else:
             (dw, dk, da, db, dbonus), dv = grads, None
-        out = torch.ops.rwkvx.rwkv7_prep_triton_bwd(*saved, dw, dk, dv, da, db, dbonus)
+        out = torch.ops.rwkvx.rwkv7_prep_triton_bwd(*saved, dw, dk, dv, da, db, dbonus, dr_add)
         *seq, dparams = out
         dr, dk, dv, dwl, dal, dvf, dvl = seq if ctx.residual else (*seq, None, None)
         dw0, da0, dkk, dka, drk, *dv0 = dparams.unbind(0)
         dv0 = dv0[0] if ctx.residual else None
         pgrads = (dw0, da0, dv0, dkk, dka, drk)
         pgrads = [None if g is None else g.to(p[0]).view(p[1]) for g, p in zip(pgrads, ctx.params, strict=True)]
-        return (dr, dk, dv, dwl, dal, dvf, dvl, *pgrads)
+        return (None, dr, dk, dv, dwl, dal, dvf, dvl, *pgrads)
 
 
-def rwkv7_prep_triton(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
-    outs = _Rwkv7PrepTriton.apply(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+def rwkv7_prep_triton(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r: bool = False):
+    outs = _Rwkv7PrepTriton.apply(pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
+    r_out = (outs[-1],) if pass_r else ()
+    outs = outs[:-1] if pass_r else outs
     if v_first is not None:
-        return outs
+        return (*outs, *r_out)
     w, kp, a, b, bonus = outs
-    return w, kp, v, a, b, bonus  # no value residual: v' is v itself
+    return (w, kp, v, a, b, bonus, *r_out)  # no value residual: v' is v itself

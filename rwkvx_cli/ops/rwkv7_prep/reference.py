@@ -13,8 +13,9 @@ import torch.nn.functional as F
 DECAY_SCALE = math.exp(-0.5)  # w = -e^{-1/2} σ(...): the decay e^w lies in (0.545, 1)
 
 
-def rwkv7_prep_reference(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k):
+def rwkv7_prep_reference(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r=False):
     B, T, H, N = r.shape
+    r_in = r
     out_dtype = r.dtype
     dt = torch.float64 if out_dtype == torch.float64 else torch.float32
     r, k, v, w_lora, a_lora, v_first, v_lora = (
@@ -31,4 +32,5 @@ def rwkv7_prep_reference(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k
     kk = F.normalize(k * chan(k_k), dim=-1, p=2.0)
     k = k * (1 + (ag - 1) * chan(k_a))
     bonus = (r * k * chan(r_k)).sum(dim=-1, keepdim=True) * v
-    return tuple(t.to(out_dtype) for t in (w, k, v, -kk, kk * ag, bonus))
+    outs = tuple(t.to(out_dtype) for t in (w, k, v, -kk, kk * ag, bonus))
+    return (*outs, r_in) if pass_r else outs

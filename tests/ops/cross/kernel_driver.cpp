@@ -43,7 +43,7 @@ const Entry kEntries[] = {
     {"delta_forward", "PPPPPPPPPPIIIIIDII"},
     {"delta_backward", "PPPPPPPPPPPPPPIIIIIDII"},
     {"rwkv7_prep_forward", "PPPPPPPPPPPPPPPPPPPIIIII"},
-    {"rwkv7_prep_backward", "PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPIIIIII"},
+    {"rwkv7_prep_backward", "PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPIIIIII"},
     {"rwkv7_out_forward", "PPPPPPPPIIIID"},
     {"rwkv7_out_backward", "PPPPPPPPPPPPPIIII"},
     {"shift_mix_forward", "PPPPPPPPPIIIIID"},
@@ -175,7 +175,7 @@ int main(int argc, char** argv) {
                           : call_void<11, 6>(fn, ptrs, ints) || call_void<17, 6>(fn, ptrs, ints) ||
                                 call_void<12, 5>(fn, ptrs, ints) || call_void<18, 5>(fn, ptrs, ints) ||
                                 call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints) ||
-                                call_void<19, 5>(fn, ptrs, ints) || call_void<32, 6>(fn, ptrs, ints) ||
+                                call_void<19, 5>(fn, ptrs, ints) || call_void<33, 6>(fn, ptrs, ints) ||
                                 call_void<13, 4>(fn, ptrs, ints) || call_void<15, 5>(fn, ptrs, ints) ||
                                 call_void<2, 3>(fn, ptrs, ints) || call_void<3, 3>(fn, ptrs, ints);
   if (!called) fail("no call shape for " + symbol);

@@ -15,7 +15,7 @@
 // Backward (one row and head; dX is the cotangent, any of them may be absent = zero):
 //   dkk = -da + db ag                  dag = db kk                        ds = Σ dbonus ⊙ v'
 //   dx = dkk / n - x (x · dkk) / n³    with n = |x| (dx = dkk / 1e-12 where n <= 1e-12: the clamp)
-//   dk'' = dk' + ds r ⊙ r_k            dr = ds k' ⊙ r_k                   dr_k += ds r ⊙ k'
+//   dk'' = dk' + ds r ⊙ r_k            dr = ds k' ⊙ r_k (+ dr_add)        dr_k += ds r ⊙ k'
 //   dk = dx ⊙ k_k + dk'' ⊙ (1 + (ag - 1) ⊙ k_a)     dk_k += dx ⊙ k      dk_a += dk'' ⊙ k ⊙ (ag - 1)
 //   dag += dk'' ⊙ k ⊙ k_a              da_lora = da0 terms = dag ag (1 - ag)
 //   dw_lora = dw0 terms = -e^{-1/2} dw σ (1 - σ)
@@ -232,11 +232,12 @@ void forward(const Tensors<F> in, const Outputs<F> out, int64_t rows, int H, int
   for (int64_t row = 0; row < rows; row++) forward_row<F, residual>(in, out, row, H, N);
 }
 
-// The cotangents of (w, k', v', a, b, bonus), null where absent, and the gradients of the
-// sequence inputs (those of v_first and v_lora unused in the first layer).
+// The cotangents of (w, k', v', a, b, bonus), null where absent; dra, a gradient added into dr
+// (null: none: r's gradient from its other consumer, wkv7, when the op passes r on); and the
+// gradients of the sequence inputs (those of v_first and v_lora unused in the first layer).
 template <typename F>
 struct Cotangents {
-  const F *dw, *dko, *dvo, *da, *db, *dbo;
+  const F *dw, *dko, *dvo, *da, *db, *dbo, *dra;
 };
 
 template <typename F>
@@ -271,6 +272,7 @@ RWKVX_INLINE inline void backward_row(const Tensors<F>& in, const Cotangents<F>&
   const F *vf = in.vf + off, *vl = in.vl + off;
   auto at = [off](const F* p) { return p ? p + off : p; };  // an absent cotangent stays null: zeros
   const F *dw = at(d.dw), *dko = at(d.dko), *dvo = at(d.dvo), *da = at(d.da), *db = at(d.db), *dbo = at(d.dbo);
+  const F* dra = at(d.dra);
   F *dr = g.dr + off, *dk = g.dk + off, *dv = g.dv + off, *dwl = g.dwl + off, *dal = g.dal + off;
   F *dvf = g.dvf + off, *dvl = g.dvl + off;
   const F dec = F(kDecayScale);
@@ -324,7 +326,8 @@ RWKVX_INLINE inline void backward_row(const Tensors<F>& in, const Cotangents<F>&
       const Vt f = 1 + (ag - 1) * kac, kn = kt * f;
       const Vt dkn = ld0<dense>(dko, o, n) + ds * rt * rkc;
       const Vt dag = dbv * x * inv + dkn * kt * kac, dza = dag * ag * (1 - ag);
-      st(dr + o, ds * kn * rkc, n), st(dk + o, dx * kkc + dkn * f, n), st(dal + o, dza, n);
+      st(dr + o, ds * kn * rkc + (dra ? ld(dra + o, n) : Vt{}), n);
+      st(dk + o, dx * kkc + dkn * f, n), st(dal + o, dza, n);
       acc(pp + KK * L, dx * kt), acc(pp + RK * L, ds * rt * kn), acc(pp + KA * L, dkn * kt * (ag - 1));
       acc(pp + A0 * L, dza);
     });
@@ -383,8 +386,8 @@ void backward(const Tensors<F> in, const Cotangents<F> d, const Grads<F> g, F* d
 extern "C" {
 
 // present: bit i set when cotangent i of (dw, dk', dv', da, db, dbonus) is given; an absent one is
-// zero (its pointer is never read). residual = 0 (the first layer): v_first, v_lora, v0, v', the
-// cotangent of v' and their gradients are not read or written.
+// zero (its pointer is never read). dra: added into dr (null: nothing). residual = 0 (the first
+// layer): v_first, v_lora, v0, v', the cotangent of v' and their gradients are not read or written.
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                    \
   void rwkv7_prep_forward_##SUFFIX(const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf,     \
                                    const F* vl, const F* w0, const F* a0, const F* v0, const F* kk, const F* ka,   \
@@ -397,14 +400,15 @@ extern "C" {
   void rwkv7_prep_backward_##SUFFIX(                                                                               \
       const F* r, const F* k, const F* v, const F* wl, const F* al, const F* vf, const F* vl, const F* w0,         \
       const F* a0, const F* v0, const F* kk, const F* ka, const F* rk, const F* dw, const F* dko, const F* dvo,    \
-      const F* da, const F* db, const F* dbo, F* dr, F* dk, F* dv, F* dwl, F* dal, F* dvf, F* dvl, F* dw0, F* da0, \
+      const F* da, const F* db, const F* dbo, const F* dra, F* dr, F* dk, F* dv, F* dwl, F* dal, F* dvf, F* dvl,   \
+      F* dw0, F* da0,                                                                                              \
       F* dv0, F* dkk, F* dka, F* drk, int rows, int H, int N, int residual, int present, int threads) {            \
     const F* c[6] = {dw, dko, dvo, da, db, dbo};                                                                   \
     for (int i = 0; i < 6; i++)                                                                                    \
       if (!(present >> i & 1)) c[i] = nullptr;                                                                     \
     const bool dense = (present | (residual ? 0 : 4)) == 63;                                                       \
     const Tensors<F> in = {r, k, v, wl, al, vf, vl, w0, a0, v0, kk, ka, rk};                                       \
-    const Cotangents<F> d = {c[0], c[1], c[2], c[3], c[4], c[5]};                                                  \
+    const Cotangents<F> d = {c[0], c[1], c[2], c[3], c[4], c[5], dra};                                             \
     const Grads<F> g = {dr, dk, dv, dwl, dal, dvf, dvl};                                                           \
     auto fn = residual ? (dense ? backward<F, true, true> : backward<F, true, false>)                              \
                        : (dense ? backward<F, false, true> : backward<F, false, false>);                           \
