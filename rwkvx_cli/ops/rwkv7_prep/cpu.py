@@ -1,6 +1,7 @@
 """rwkv7_prep `cpu` backend: the fused C++ kernel of csrc/rwkv7_prep_cpu.cpp behind a
 torch.autograd.Function. One pass over each tensor, OpenMP over the B·T rows, SIMD over each
-head's channels, fp32 math (fp64 for fp64 inputs). The backward saves only the inputs and
+head's channels, fp32 math (fp64 for fp64 inputs). The backward saves only the inputs (and the
+output w in place of w_lora: wkv7 keeps w anyway, and the decay's logistic is -e^{1/2} w) and
 recomputes the elementwise work (the logistics, kk's norm, k', v', the bonus's sum).
 
 The kernel's two entry points are torch custom ops, `torch.ops.rwkvx.rwkv7_prep_cpu_fwd` and
@@ -85,7 +86,7 @@ def rwkv7_prep_cpu_bwd(
     r: Tensor,
     k: Tensor,
     v: Tensor,
-    w_lora: Tensor,
+    w: Tensor,
     a_lora: Tensor,
     v_first: Tensor | None,
     v_lora: Tensor | None,
@@ -103,15 +104,16 @@ def rwkv7_prep_cpu_bwd(
     dbonus: Tensor | None,
     dr_add: Tensor | None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """The backward kernel: the forward's inputs and the cotangents of (w, k', v', a, b, bonus),
-    None where autograd gave none (read as zeros; dv_out None in the first layer), and dr_add, a
-    gradient added into dr (None: nothing). Returns the gradients of the 13 inputs in order, the
+    """The backward kernel: the forward's inputs, but its output w (the log-decay, whose σ it reads
+    off, σ = -e^{1/2} w) in place of w_lora; the cotangents of (w, k', v', a, b, bonus), None where
+    autograd gave none (read as zeros; dv_out None in the first layer); and dr_add, a gradient added
+    into dr (None: nothing). Returns the gradients of the 13 inputs in order (w_lora's fourth), the
     parameters' [C], those of v_first, v_lora and v0 empty ([0]) in the first layer."""
     B, T, H, N = r.shape
-    ins = [None if x is None else x.contiguous() for x in (r, k, v, w_lora, a_lora, v_first, v_lora)]
+    ins = [None if x is None else x.contiguous() for x in (r, k, v, w, a_lora, v_first, v_lora)]
     params = [None if p is None else p.contiguous() for p in (w0, a0, v0, k_k, k_a, r_k)]
     douts = [None if g is None else g.contiguous() for g in (dw, dk_out, dv_out, da, db, dbonus)]
-    grads = _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts, dr_add)
+    grads = _bwd_fake(r, k, v, w, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts, dr_add)
     present = sum(1 << i for i, g in enumerate(douts) if g is not None)
     fn = _kernel("rwkv7_prep_backward", r)
     residual = v_first is not None
@@ -126,8 +128,7 @@ def rwkv7_prep_cpu_bwd(
 
 
 @rwkv7_prep_cpu_bwd.register_fake
-def _bwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, dw, dk_out, dv_out, da, db, dbonus,
-              dr_add):
+def _bwd_fake(r, k, v, w, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *cotangents_and_dr_add):
     seq, C = r.shape, w0.shape[0]
     absent = (0,) if v_first is None else None
     return (
@@ -148,7 +149,9 @@ class _Rwkv7PrepCPU(torch.autograd.Function):
         cdt = torch.float64 if r.dtype == torch.float64 else torch.float32
         ins = [None if x is None else x.detach().to(cdt).contiguous() for x in inputs]
         w, k_out, v_out, a, b, bonus = rwkv7_prep_cpu_fwd(*ins)
-        ctx.save_for_backward(*ins)  # the backward recomputes the rest from the inputs
+        # The backward recomputes the rest from the inputs, and w's σ from w itself, which wkv7 keeps
+        # anyway (in fp32 the same tensor): w_lora is not kept.
+        ctx.save_for_backward(*ins[:3], w, *ins[4:])
         ctx.dtypes = [None if x is None else x.dtype for x in inputs]
         ctx.pass_r = pass_r
         ctx.set_materialize_grads(False)

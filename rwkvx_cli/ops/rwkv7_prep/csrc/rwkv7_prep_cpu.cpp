@@ -18,7 +18,9 @@
 //   dk'' = dk' + ds r ⊙ r_k            dr = ds k' ⊙ r_k (+ dr_add)        dr_k += ds r ⊙ k'
 //   dk = dx ⊙ k_k + dk'' ⊙ (1 + (ag - 1) ⊙ k_a)     dk_k += dx ⊙ k      dk_a += dk'' ⊙ k ⊙ (ag - 1)
 //   dag += dk'' ⊙ k ⊙ k_a              da_lora = da0 terms = dag ag (1 - ag)
-//   dw_lora = dw0 terms = -e^{-1/2} dw σ (1 - σ)
+//   dw_lora = dw0 terms = -e^{-1/2} dw σ (1 - σ), σ = -e^{1/2} w: the backward takes the forward's
+//             output w in place of w_lora (saved by wkv7 anyway, where w_lora would be kept for this
+//             op alone) and reads σ off it with one multiplication
 //   dv'' = dv' + dbonus s              dv = dv'' (1 - sv)     dv_first = dv'' sv
 //   dv_lora = dv0 terms = dv'' ⊙ (v_first - v) sv (1 - sv),   sv = σ(v0 + v_lora)
 // In the first layer dv = dbonus s: v' is v itself, so its own cotangent reaches v outside.
@@ -281,7 +283,7 @@ RWKVX_INLINE inline void backward_row(const Tensors<F>& in, const Cotangents<F>&
     F* const ph = part + (size_t)h * NV * P * L;  // the head's partials; vector i's at ph + (i / L) P L
     sweep<L>(N, [&](int i, int n) RWKVX_INLINE {
       const int o = c + i;
-      const Vt sw = logistic(ld(in.w0 + o, n) + ld(wl + o, n));
+      const Vt sw = ld(wl + o, n) * F(-1 / kDecayScale);  // σ(w0 + w_lora) = -e^{1/2} w
       const Vt dzw = -dec * ld0<dense>(dw, o, n) * sw * (1 - sw);
       st(dwl + o, dzw, n), acc(ph + i * P + W0 * L, dzw);
     });
