@@ -121,7 +121,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--png", type=Path, help="write the picture here")
     ap.add_argument("--title", default="validation bits per byte by tokens")
     args = ap.parse_args(argv)
-    groups = compare(args.runs, args.by, args.panel)
+    for run in args.runs:
+        if not ((run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()):
+            ap.error(f"{run} is not a run directory (no config.yaml and metrics.jsonl)")
+    try:
+        groups = compare(args.runs, args.by, args.panel)
+    except (KeyError, ValueError) as e:
+        ap.error(f"{e}" if isinstance(e, ValueError) else f"no setting {args.by!r} or {args.panel!r} in a config: {e}")
     print("\n".join(summary(groups, args.by, args.panel)))
     if args.png:
         print(f"wrote {plot(groups, args.by, args.panel, args.png, args.title)}")

@@ -41,3 +41,10 @@ def test_a_run_without_a_validation_result_is_named(tmp_path):
     run = fake_run(tmp_path / "x", 1.0, 128, [], [1.0] * 5)
     with pytest.raises(ValueError, match="holds no validation result"):
         compare([run], "model.ffn_key_gain", None)
+
+
+def test_a_path_that_is_no_run_is_one_line(tmp_path, capsys):
+    (tmp_path / "a.log").write_text("x")
+    with pytest.raises(SystemExit) as e:
+        main([str(tmp_path / "a.log"), "--by", "model.ffn_key_gain"])
+    assert e.value.code == 2 and "is not a run directory" in capsys.readouterr().err
