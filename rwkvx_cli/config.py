@@ -97,6 +97,10 @@ class ModelConfig:
     # The eps of the per-head group norm (`ln_x`) of RWKV-7 and rwkv8 blocks: RWKV-LM's 64e-5 by default;
     # a model imported from HF (fla) gets its head_dim x norm_eps (docs/formats.md: the eps rule).
     ln_x_eps: float = LN_X_EPS
+    # The orthogonal gain of the channel mix's key [4C, C] at init, in every block kind but RWKV-4 (whose
+    # v4neo init gives sqrt(4C / C) = 2): RWKV-LM train_temp's 1.0 by default. Runs started before
+    # 2026-12-04 used 2 (docs/model.md#the-channel-mix-key-gain: what each does at the sizes measured).
+    ffn_key_gain: float = 1.0
 
 
 def expand_layers(spec: list[str]) -> list[str]:
@@ -255,6 +259,7 @@ class Config:
             (bool(m.layers) or 0 <= m.n_attn <= m.n_layer, "model.n_attn", "must be between 0 and model.n_layer"),
             (m.moba_chunk >= 1, "model.moba_chunk", "must be >= 1"),
             (math.isfinite(m.ln_x_eps) and m.ln_x_eps > 0, "model.ln_x_eps", "must be a finite number > 0"),
+            (0 < m.ffn_key_gain <= 100, "model.ffn_key_gain", "must be > 0 and <= 100"),
             *((getattr(m, f"lora_{k}") >= 0, f"model.lora_{k}", "must be >= 0 (0: RWKV-LM's rule)") for k in "wavg"),
             (t.ctx_len >= 1, "train.ctx_len", "must be >= 1"),
             (t.micro_batch >= 1, "train.micro_batch", "must be >= 1"),

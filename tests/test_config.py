@@ -87,8 +87,21 @@ def test_bad_files(tmp_path):
         load_config(bad)
 
 
+def test_the_rwkv_lm_recipe_is_the_reference_s_demo_setting_for_setting():
+    """configs/rwkvlm-demo.yaml: RWKV-LM train_temp's demo-training-run.sh (L12-D768 x070, ctx 512, micro_bsz 16,
+    lr 6e-4 -> 6e-5, 10 warmup steps, betas 0.9/0.99, eps 1e-18, weight decay 0.001, bf16, grad_cp 1, minipile's
+    exit tokens) and generate_init_weight's channel-mix key gain."""
+    cfg = load_config("configs/rwkvlm-demo.yaml")
+    m, t = cfg.model, cfg.train
+    assert (m.n_layer, m.n_embd, m.head_size, m.vocab_size, m.ffn_key_gain) == (12, 768, 64, 65536, 1.0)
+    assert (t.ctx_len, t.micro_batch, t.grad_accum, t.tokens) == (512, 16, 1, 1_498_226_207)
+    assert (t.lr, t.lr_final, t.warmup_tokens, t.betas, t.eps) == (6e-4, 6e-5, 10 * 16 * 512, (0.9, 0.99), 1e-18)
+    assert (t.weight_decay, t.grad_clip, t.precision, t.grad_cp, t.l2wrap) == (0.001, 1.0, "bf16-mixed", True, True)
+    assert cfg.data.tokenizer == "world" and cfg.data.binidx.endswith("minipile")
+
+
 def test_shipped_configs_load():
-    for name in ("tiny", "tiny-rwkvx", "gpu-L12-D768"):
+    for name in ("tiny", "tiny-rwkvx", "gpu-L12-D768", "rwkvlm-demo"):
         cfg = load_config(f"configs/{name}.yaml")
         assert cfg.total_steps >= 1
 

@@ -10,10 +10,11 @@ outlives its chunk): dz = (softmax(z) - onehot(y)) / M, dh = dz W, dW = dzᵀ h.
 
 L2Wrap (RWKV-LM): a small extra gradient on each row's largest logit,
 dz_i[argmax z_i] += 1e-4 · max z_i / M, that pulls logits back towards 0. It
-adds nothing to the loss value. RWKV-LM applies it unscaled per batch; here it
-is scaled with the loss's own gradient, so that a step's gradient does not
-depend on how the batch is split into micro-batches or ranks (the two agree
-for one micro-batch per step).
+adds nothing to the loss value. It is scaled with the loss's own gradient, as
+RWKV-LM train_temp's fused cross-entropy op does (rwkv7_l2wrap_ce: 1e-4 · max ·
+grad_loss / rows; its older autograd L2Wrap, now commented out there, added it
+unscaled), so that a step's gradient does not depend on how the batch is split
+into micro-batches or ranks, or on loss scaling.
 """
 
 from __future__ import annotations

@@ -12,7 +12,7 @@ from torch.utils.checkpoint import checkpoint
 
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.models.chunked import chunked_loss, compact
-from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_
+from rwkvx_cli.models.layers import PLAIN, TIME_MIXES, ChannelMix, Graph, State, orthogonal_scaled_
 from rwkvx_cli.models.losses import linear_cross_entropy
 
 
@@ -52,15 +52,17 @@ class Block(nn.Module):
         if kind not in TIME_MIXES:
             raise ValueError(f"unknown layer kind {kind!r}; known: {', '.join(TIME_MIXES)}")
         C = cfg.n_embd
-        # ln0 is registered where RWKV-LM has it (first) in an RWKV-7 block and last in the
-        # other kinds: parameter order keys the optimizer state that checkpoints hold.
+        # ln0 is registered first in an RWKV-7 block and last in the other kinds. RWKV-LM registers
+        # it after ln1 and ln2; the names, not the order, are what its files and ours share, and
+        # parameter order keys the optimizer state that rwkvx checkpoints hold, so it stays.
         ln0_first = has_ln0 and kind == "rwkv7"
         if ln0_first:
             self.ln0 = nn.LayerNorm(C)
         self.ln1 = nn.LayerNorm(C)
         self.ln2 = nn.LayerNorm(C)
         self.att = TIME_MIXES[kind].from_config(cfg, layer_id)
-        self.ffn = ChannelMix(C)
+        # RWKV-4 blocks keep v4neo's key init (gain sqrt(4C / C) = 2); the others take model.ffn_key_gain.
+        self.ffn = ChannelMix(C, key_gain=None if kind == "rwkv4" else cfg.ffn_key_gain)
         self.fused = cfg.fused
         if has_ln0 and not ln0_first:
             self.ln0 = nn.LayerNorm(C)
@@ -187,7 +189,7 @@ def init_weights(model: LM, seed: int) -> None:
     head, then each block bottom to top (its norms, channel mix, time mix)."""
     gen = torch.Generator().manual_seed(seed)
     model.emb.weight.uniform_(-1e-4, 1e-4, generator=gen)
-    orthogonal_(model.head.weight, 0.5, gen)
+    orthogonal_scaled_(model.head.weight, 0.5, gen)  # 0.5 sqrt(V / C) when V > C, as train_temp
     for pos, blk in enumerate(model.blocks):
         blk.reset_parameters(gen, *block_depth(model.kinds, pos))
     model.ln_out.reset_parameters()

@@ -27,6 +27,7 @@ from rwkvx_cli.models.layers.common import (
     ShortConv,
     State,
     orthogonal_,
+    orthogonal_scaled_,
     shifted,
 )
 from rwkvx_cli.models.layers.delta import DeltaMix, GatedDeltaNet, KimiDeltaAttention
@@ -61,5 +62,6 @@ __all__ = [
     "ShortConv",
     "State",
     "orthogonal_",
+    "orthogonal_scaled_",
     "shifted",
 ]

@@ -91,7 +91,15 @@ def add_linear(x: torch.Tensor, h: torch.Tensor, linear: nn.Linear) -> torch.Ten
 
 
 def orthogonal_(w: torch.Tensor, gain: float, gen: torch.Generator) -> None:
-    """RWKV-LM's rule: the gain is scaled by sqrt(rows / cols) when rows > cols."""
+    """Orthogonal with this gain, whatever the shape: RWKV-LM train_temp's `generate_init_weight` for
+    RWKV-7's `.weight` matrices (its singular values are all `gain`)."""
+    nn.init.orthogonal_(w, gain=gain, generator=gen)
+
+
+def orthogonal_scaled_(w: torch.Tensor, gain: float, gen: torch.Generator) -> None:
+    """Orthogonal with the gain scaled by sqrt(rows / cols) when rows > cols: RWKV-LM's other rule, that
+    of train_temp's `ortho_init` (RWKV-7's low-rank matrices) and of v4neo's `generate_init_weight`
+    (every RWKV-4 matrix), and of the head in both (0.5 sqrt(V / C) when V > C)."""
     rows, cols = w.shape
     nn.init.orthogonal_(w, gain=gain * (math.sqrt(rows / cols) if rows > cols else 1.0), generator=gen)
 
@@ -102,10 +110,13 @@ def depth_ratios(layer: int, n_layer: int) -> tuple[float, float]:
 
 
 class ChannelMix(nn.Module):
-    """RWKV's channel mix, in every block kind: value(relu(key(x + (x_{t-1} - x) x_k))²)."""
+    """RWKV's channel mix, in every block kind: value(relu(key(x + (x_{t-1} - x) x_k))²).
+    `key_gain`: key's orthogonal gain at init (model.ffn_key_gain; None: v4neo's rule, sqrt(4) = 2, for
+    RWKV-4 blocks)."""
 
-    def __init__(self, C: int):
+    def __init__(self, C: int, key_gain: float | None = 1.0):
         super().__init__()
+        self.key_gain = key_gain
         self.x_k = nn.Parameter(torch.zeros(1, 1, C))
         self.key = nn.Linear(C, 4 * C, bias=False)
         self.value = nn.Linear(4 * C, C, bias=False)
@@ -131,7 +142,10 @@ class ChannelMix(nn.Module):
         _, r1 = depth_ratios(layer, n_layer)
         ddd = (torch.arange(C, dtype=torch.float64) / C).view(1, 1, C)
         self.x_k.copy_(1.0 - ddd.pow(r1**4))
-        orthogonal_(self.key.weight, 1.0, gen)
+        if self.key_gain is None:
+            orthogonal_scaled_(self.key.weight, 1.0, gen)  # RWKV-4 (v4neo): 1 x sqrt(4C / C)
+        else:
+            orthogonal_(self.key.weight, self.key_gain, gen)  # RWKV-LM train_temp: 1.0
         self.value.weight.zero_()
 
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, GatedRMSNorm, Graph, ShortConv, State, orthogonal_, upcast
+from rwkvx_cli.models.layers.common import PLAIN, GatedRMSNorm, Graph, ShortConv, State, orthogonal_scaled_, upcast
 from rwkvx_cli.ops import gdn, kda
 
 
@@ -87,7 +87,7 @@ class DeltaMix(nn.Module):
         self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))
         for m in self.modules():
             if isinstance(m, nn.Linear) and m is not self.o_proj:
-                orthogonal_(m.weight, 1.0, gen)
+                orthogonal_scaled_(m.weight, 1.0, gen)
         self.conv.reset_parameters(gen)
         self.o_norm.weight.fill_(1.0)
         self.o_proj.weight.zero_()

@@ -14,7 +14,7 @@ from rwkvx_cli.models.layers.common import (
     State,
     add_linear,
     depth_ratios,
-    orthogonal_,
+    orthogonal_scaled_,
     shifted,
     upcast,
 )
@@ -108,5 +108,5 @@ class RWKV4TimeMix(nn.Module):
         self.time_mix_v.copy_(x**r1 + 0.3 * r0)
         self.time_mix_r.copy_(x ** (0.5 * r1))
         for p, gain in ((self.key, 0.1), (self.value, 1.0), (self.receptance, 1.0)):
-            orthogonal_(p.weight, gain, gen)
+            orthogonal_scaled_(p.weight, gain, gen)  # v4neo's rule
         self.output.weight.zero_()

@@ -14,7 +14,16 @@ import torch.nn.functional as F
 from torch import nn
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, add_linear, depth_ratios, orthogonal_, shifted
+from rwkvx_cli.models.layers.common import (
+    PLAIN,
+    Graph,
+    State,
+    add_linear,
+    depth_ratios,
+    orthogonal_,
+    orthogonal_scaled_,
+    shifted,
+)
 from rwkvx_cli.ops import rwkv7_out, rwkv7_prep, shift_mix, wkv7
 
 MIXES = ("x_r", "x_w", "x_k", "x_v", "x_a", "x_g")  # the token-shift lerps, in shift_mix's output order
@@ -168,7 +177,7 @@ class RWKV7TimeMix(nn.Module):
         self.r_k.fill_(-0.04)
         for name in ("w", "a", "v", "g"):
             getattr(self, f"{name}1").zero_()
-            orthogonal_(getattr(self, f"{name}2"), 0.1, gen)
+            orthogonal_scaled_(getattr(self, f"{name}2"), 0.1, gen)  # train_temp's ortho_init
         for p, gain in ((self.receptance, 1.0), (self.key, 0.1), (self.value, 1.0)):
             orthogonal_(p.weight, gain, gen)
         self.output.weight.zero_()

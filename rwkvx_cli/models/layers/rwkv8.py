@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_, upcast
+from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_scaled_, upcast
 from rwkvx_cli.ops import rwkv8
 
 
@@ -62,9 +62,9 @@ class RWKV8Mix(nn.Module):
         tau = torch.logspace(math.log10(4), math.log10(1024), L, dtype=torch.float64).repeat(H, 1)
         d = 1 - 1 / tau
         self.decay_logit.copy_(torch.log(d / (1 - d)))
-        orthogonal_(self.query.weight, 1.0, gen)
+        orthogonal_scaled_(self.query.weight, 1.0, gen)
         if not self.shared_value:
-            orthogonal_(self.value.weight, 1.0, gen)
+            orthogonal_scaled_(self.value.weight, 1.0, gen)
         self.ln_x.weight.fill_(1.0)
         self.ln_x.bias.zero_()
         self.output.weight.zero_()
