@@ -203,11 +203,12 @@ before anything is written and raises when the run directory is no longer this p
 
 
 # Settings a resume may change freely: they decide where and how often things happen, not what the
-# run computes; and train.tokens, which lengthens (or shortens) the run (its cosine schedule then
-# continues from the tokens trained, over the new total). Any other change breaks the exact
-# reproduction of an uninterrupted run.
+# run computes; train.tokens, which lengthens (or shortens) the run (its cosine schedule then
+# continues from the tokens trained, over the new total); and model.ffn_key_gain, an init setting
+# that a resumed run's weights no longer depend on (checkpoints from before it existed read as 1.0,
+# the runs as 2.0). Any other change breaks the exact reproduction of an uninterrupted run.
 OPERATIONAL = frozenset(
-    {"run_dir", "data.prepared_dir", "train.tokens"}
+    {"run_dir", "data.prepared_dir", "train.tokens", "model.ffn_key_gain"}
     | {
         f"train.{k}"
         for k in (
