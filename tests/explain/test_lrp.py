@@ -20,8 +20,11 @@ STACKS = {
 
 
 def tiny(layers, seed=0, vocab=40, noise=0.3):
-    """A random model: the init zeroes the output projections, so perturb every parameter."""
-    cfg = ModelConfig(vocab_size=vocab, n_embd=16, head_size=8, layers=list(layers), n_layer=len(layers))
+    """A random model: the init zeroes the output projections, so perturb every parameter. The channel-mix key
+    gain is pinned at 2.0, the init these models were chosen with (the planted token's model must depend on it)."""
+    cfg = ModelConfig(
+        vocab_size=vocab, n_embd=16, head_size=8, layers=list(layers), n_layer=len(layers), ffn_key_gain=2.0
+    )
     model = build_model(cfg, seed)
     g = torch.Generator().manual_seed(seed + 100)
     with torch.no_grad():
