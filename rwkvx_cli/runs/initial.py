@@ -41,10 +41,12 @@ class Start:
 
 
 def plan_start(cfg: Config) -> Start:
-    """The model `cfg.train.init_from`'s weights make with `cfg`'s settings (reads names and shapes only)."""
+    """The model `cfg.train.init_from`'s weights make with `cfg`'s settings, from their names and shapes,
+    after one pass over their values (`check_values`): refused here, nothing of the run is written yet."""
     source, sizes = open_any(cfg.train.init_from)
     with source:
         shapes = source.shapes()
+        check_values(source, str(cfg.train.init_from))
     written = {k.split(".", 1)[1] for k in cfg.written if k.startswith("model.")}
     kinds = layer_kinds(cfg.model)
     upcycle = "moba" in kinds and sizes.n_attn == 0  # MoBA blocks only the config asks for
@@ -59,6 +61,22 @@ def plan_start(cfg: Config) -> Start:
             target = LM(model).state_dict()
         plan = upcycle_plan(shapes, target)
     return Start(cfg.train.init_from, model, sizes, plan)
+
+
+def check_values(source, where: str) -> None:
+    """Refuse, tensor by tensor, weights the model's fp32 parameters cannot take as they are: a tensor
+    that is not floating point, NaN / inf, and fp64 values past fp32's range (they would load as inf)."""
+    for name in source.names():
+        dtype = source.dtype(name)
+        if not dtype.is_floating_point:
+            raise FormatError(f"{where}: {name} is {str(dtype).removeprefix('torch.')}, not floating point")
+        t = source.get(name)
+        if not torch.isfinite(t).all():
+            raise FormatError(f"{where}: {name} holds non-finite values")
+        if dtype == torch.float64 and not torch.isfinite(t.float()).all():
+            raise FormatError(f"{where}: {name} holds values too large for the model's float32")
+        del t
+        source.release(name)
 
 
 def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tensor]:
