@@ -173,8 +173,8 @@ def safetensors_entries(path: Path, header: dict, start: int, size: int) -> tupl
             if field not in info:
                 raise FormatError(f"{where} has no {field}")
         dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
-        if dtype not in ST_DTYPES:
-            known = dtype in ST_OTHER_DTYPES
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+            known = dtype in ST_OTHER_DTYPES if isinstance(dtype, str) else False
             why = "a safetensors dtype rwkvx does not read" if known else "not a safetensors dtype"
             raise FormatError(f"{where}: dtype {show(dtype)} is {why} (rwkvx reads {', '.join(ST_DTYPES)})")
         if not (isinstance(shape, list) and all(is_int(d) and 0 <= d <= U64_MAX for d in shape)):
