@@ -30,6 +30,7 @@ from rwkvx_cli.runs.formats import (
 )
 from rwkvx_cli.runs.formats.errors import FormatError
 from rwkvx_cli.runs.formats.sizes import LORA_FIELDS, SIZE_KEYS
+from rwkvx_cli.runs.start_tokenizer import check_start_tokenizer
 
 
 @dataclass
@@ -44,6 +45,7 @@ def plan_start(cfg: Config) -> Start:
     """The model `cfg.train.init_from`'s weights make with `cfg`'s settings, from their names and shapes,
     after one pass over their values (`check_values`): refused here, nothing of the run is written yet."""
     source, sizes = open_any(cfg.train.init_from)
+    check_start_tokenizer(cfg, sizes.notes)
     with source:
         shapes = source.shapes()
         check_values(source, str(cfg.train.init_from))

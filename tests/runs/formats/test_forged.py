@@ -305,3 +305,49 @@ def test_a_config_with_auto_map_never_runs_the_directory_s_code(hf, tmp_path, co
     result, run = init_from(tmp_path, corpus, hf)
     assert result.exit_code == 0, result.output
     assert not marker.exists() and "auto_map" in result.output and "never run" in result.output
+
+
+# -- the tokenizer -------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def bpe_run(tmp_path, corpus):
+    """An rwkvx checkpoint of a model trained with a BPE tokenizer (300 tokens), its tokenizer.json in
+    the run directory, and its HF export (the same tokenizer.json beside the weights)."""
+    from rwkvx_cli.config import Config, DataConfig, config_to_dict
+    from rwkvx_cli.data.tokenizer import BPETokenizer
+    from rwkvx_cli.models import build_model
+    from rwkvx_cli.runs.store import save_checkpoint
+
+    model_cfg = ModelConfig(vocab_size=300, n_layer=1, n_embd=64, head_size=64)
+    cfg = Config(model=model_cfg, data=DataConfig(tokenizer="bpe"))
+    run = tmp_path / "bpe-run"
+    model = build_model(cfg.model, 0)
+    save_checkpoint(run / "checkpoints", 1, model, None, {"config": config_to_dict(cfg)}, 3)
+    tokenizer = BPETokenizer.train(corpus.read_text().splitlines(), 300)
+    tokenizer.save(run / "tokenizer.json")
+    export_hf(model.state_dict(), tmp_path / "bpe-hf", cfg=cfg.model, tokenizer=tokenizer)
+    return run, tmp_path / "bpe-hf"
+
+
+def test_a_bpe_model_given_to_a_byte_run_is_refused(bpe_run, tmp_path, corpus):
+    """Its 300 embedding rows are BPE tokens; a byte run would read rows 1..256 as bytes."""
+    for source in bpe_run:
+        result, run = init_from(tmp_path, corpus, source)
+        line = one_line_error(result, 1)
+        assert f"train.init_from {source}" in line and "data.tokenizer is byte" in line, line
+        assert "every embedding row would mean another token" in line and not run.exists()
+
+
+def test_the_weights_own_tokenizer_file_is_accepted_and_a_pth_is_noted(bpe_run, tmp_path, corpus):
+    run_dir, hf = bpe_run
+    run = tmp_path / "run"
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", "train.ctx_len=32", "train.micro_batch=4"]
+    own = f"data.tokenizer={run_dir / 'tokenizer.json'}"
+    result = runner.invoke(app, ["init", *args, own, "--from", str(hf)])
+    assert result.exit_code == 0, result.output
+    pth = tmp_path / "model.pth"
+    torch.save(tiny_state(), pth)
+    result, run = init_from(tmp_path / "again", corpus, pth)
+    assert result.exit_code == 0, result.output
+    assert "the weights name no tokenizer" in result.output and "data.tokenizer: byte" in result.output
