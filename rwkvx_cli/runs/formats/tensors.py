@@ -314,6 +314,9 @@ class PthSource(DictSource):
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
         ):
             raise FormatError(f"{path} does not hold a flat state dict of named tensors")
+        for k, v in sd.items():  # weights_only also unpickles sparse and quantized tensors: not weights here
+            if v.layout != torch.strided or v.is_quantized or v.device.type != "cpu":
+                raise FormatError(f"{path}: tensor {show(k)} is not a plain dense tensor ({v.layout}, {v.dtype})")
         super().__init__(sd)
         self.path = path
 

@@ -351,3 +351,16 @@ def test_the_weights_own_tokenizer_file_is_accepted_and_a_pth_is_noted(bpe_run, 
     result, run = init_from(tmp_path / "again", corpus, pth)
     assert result.exit_code == 0, result.output
     assert "the weights name no tokenizer" in result.output and "data.tokenizer: byte" in result.output
+
+
+def test_a_huge_block_number_and_a_sparse_pth_are_one_line(tmp_path):
+    """blocks.<10^12> once built a range to its number to list the gaps; a sparse tensor (weights_only
+    unpickles one) is no weight."""
+    state = tiny_state()
+    state["blocks.1000000000000.ln1.weight"] = state["blocks.0.ln1.weight"].clone()
+    save_file(state, tmp_path / "huge.safetensors")
+    refused(tmp_path / "huge.safetensors", "the blocks are not numbered 0..n-1 (missing 1)")
+    state = tiny_state()
+    state["emb.weight"] = state["emb.weight"].to_sparse()
+    torch.save(state, tmp_path / "sparse.pth")
+    refused(tmp_path / "sparse.pth", str(tmp_path / "sparse.pth"), "'emb.weight' is not a plain dense tensor")
