@@ -183,15 +183,18 @@ def safetensors_entries(path: Path, header: dict, start: int, size: int) -> tupl
         if not (two and all(is_int(x) and 0 <= x <= U64_MAX for x in offsets)):
             raise FormatError(f"{where}: data_offsets is {_spell(offsets)}, not two byte offsets (integers >= 0)")
         n = 1
-        for d in shape:  # safetensors' own overflow rule: the running product, in order, fits 64 bits
+        for d in shape:  # safetensors' rule: the running product, in order, fits 64 bits
             n *= d
             if n > U64_MAX:
-                raise FormatError(f"{where}: shape {_spell(shape)} overflows 64 bits")
+                raise FormatError(f"{where}: shape {_spell(shape)} overflows 64-bit sizes")
+        if n == 0 and not _makes_empty(shape):  # torch's sizes are int64: [0, 2**63] is no tensor
+            raise FormatError(f"{where}: shape {_spell(shape)} overflows 64-bit sizes (torch's)")
         nbytes = n * _itemsize(ST_DTYPES[dtype])
         begin, end = offsets
         if end - begin != nbytes:
             raise FormatError(
-                f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} {shape} is {nbytes} bytes"
+                f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} {_spell(shape)} is "
+                f"{nbytes} bytes"
             )
         entries[name] = _Entry(0, ST_DTYPES[dtype], tuple(shape), start + begin, start + end)
     at = start  # the byte ranges, in order, must tile the data exactly (as safetensors checks)
@@ -208,6 +211,16 @@ def safetensors_entries(path: Path, header: dict, start: int, size: int) -> tupl
         what = "is shorter than" if at > size else f"has {size - at} bytes after"
         raise FormatError(f"{path} {what} its tensors' data (truncated, or not a safetensors file)")
     return dict(meta or {}), ordered
+
+
+def _makes_empty(shape: list[int]) -> bool:
+    """Whether torch makes a zero-size tensor of `shape` as safetensors' reader does (an empty tensor
+    reshaped): its sizes are int64, and some shapes overflow its strides."""
+    try:
+        torch.empty(0, device="meta").reshape(shape)
+    except (RuntimeError, TypeError, OverflowError, ValueError):
+        return False
+    return True
 
 
 def _spell(value: object) -> str:
@@ -264,8 +277,8 @@ class SafetensorsFiles(TensorSource):
     def get(self, name: str) -> torch.Tensor:
         e = self._entries[name]
         n = _numel(e.shape)
-        if n == 0:
-            return torch.empty(e.shape, dtype=e.dtype)
+        if n == 0:  # as safetensors makes it (the header check tried the same on the meta device)
+            return torch.empty(0, dtype=e.dtype).reshape(e.shape)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             flat = torch.frombuffer(self._map(e.file), dtype=e.dtype, count=n, offset=e.begin)

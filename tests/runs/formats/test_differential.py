@@ -129,7 +129,7 @@ def mutated_file(draw):
             entry["shape"] = draw(
                 st.one_of(
                     st.lists(st.integers(-2, 5), max_size=3),
-                    st.lists(st.sampled_from([2**64 - 1, 2**64, 2**32, 0]), max_size=3),
+                    st.lists(st.sampled_from([2**64 - 1, 2**64, 2**63 - 1, 2**63, 2**62, 2**32, 4, 0]), max_size=3),
                     st.lists(st.sampled_from([1.0, True, "2", None]), min_size=1, max_size=2),
                 )
             )
@@ -266,3 +266,28 @@ def test_the_divergences_are_the_two_on_purpose(tmp_path):
     with pytest.raises(FormatError, match="dtype 'F8_E4M3' is a safetensors dtype rwkvx does not read"):
         SafetensorsFiles([path])
 
+
+
+@pytest.mark.parametrize(
+    "shape,ok",
+    [
+        ([0, 2**63], False),
+        ([0, 2**64 - 1], False),
+        ([2**62, 4, 0], False),
+        ([2**32, 2**32, 0], False),
+        ([0, 2**63 - 1, 2], False),
+        ([2**63 - 1, 2, 0], True),
+        ([0, 2**62, 2, 2], True),
+    ],
+)
+def test_zero_size_shapes_at_64_bits_read_as_safetensors_reads_them(tmp_path, shape, ok):
+    """Sizes past torch's int64 or a running product past 64 bits: safetensors refuses them, at the
+    header or when it makes the tensor; rwkvx when the file is opened, never when a tensor is read."""
+    path = tmp_path / "f.safetensors"
+    _write(path, json.dumps({"a": {"dtype": "F32", "shape": shape, "data_offsets": [0, 0]}}).encode(), b"")
+    assert (_theirs(path) is not None) == ok
+    if ok:
+        check_same_as_safetensors(path, path.read_bytes()[8:], b"")
+    else:
+        with pytest.raises(FormatError, match="overflows 64-bit sizes"):
+            SafetensorsFiles([path])
