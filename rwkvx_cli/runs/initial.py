@@ -7,6 +7,10 @@ and a size it does write must agree, or each tensor it contradicts is named. A c
 for MoBA blocks the weights do not have is an upcycle, as RWKV-X's `init_moba_from_rwkv`: the
 RWKV-7 blocks load in order and each MoBA block starts from the RWKV-7 block below it
 (runs/formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
+
+Before anything of the run is written, the weights are checked: every file's fields by its reader
+(docs/formats.md#files-from-elsewhere-what-is-refused-what-is-accepted), their values in one pass
+(`check_values`), and the tokenizer they name against the run's (runs/start_tokenizer.py).
 """
 
 from __future__ import annotations
