@@ -115,6 +115,9 @@ def from_hf_rules(shapes: Mapping[str, Shape], tied: bool = False) -> list[Rule]
     """Rules that turn fla's tensors (`{name: shape}`) into rwkvx's names, with zeros for layer 0's
     v0 [1, 1, C], v1 [C, Dv], v2 [Dv, C] (Dv read from layer 1's v_lora, or the rule for one layer).
     `tied`: lm_head is the embedding (tie_word_embeddings)."""
+    emb = shapes.get("model.embeddings.weight")
+    if emb is not None and len(emb) != 2:
+        raise FormatError(f"model.embeddings.weight is {list(emb)}, not [vocab_size, hidden_size]")
     rules = []
     for name in shapes:
         if name in _TOP_BACK:

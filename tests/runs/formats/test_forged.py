@@ -364,3 +364,12 @@ def test_a_huge_block_number_and_a_sparse_pth_are_one_line(tmp_path):
     state["emb.weight"] = state["emb.weight"].to_sparse()
     torch.save(state, tmp_path / "sparse.pth")
     refused(tmp_path / "sparse.pth", str(tmp_path / "sparse.pth"), "'emb.weight' is not a plain dense tensor")
+
+
+@pytest.mark.parametrize("shape", [[257 * 64], [1, 257 * 64], [257, 64, 1]])
+def test_a_reshaped_hf_embedding_is_one_line(shape, tmp_path):
+    """The same bytes under another shape: a 1-D embedding once indexed its missing second size."""
+    export_hf(tiny_state(), tmp_path / "hf")
+    emb = "model.embeddings.weight"
+    forge(tmp_path / "hf" / "model.safetensors", lambda h: h | {emb: {**h[emb], "shape": shape}})
+    refused(tmp_path / "hf")
