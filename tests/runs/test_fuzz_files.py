@@ -104,6 +104,29 @@ def _mutate_safetensors(path: Path, rng: random.Random) -> None:
     path.write_bytes(join(text, data))
 
 
+def _mutate_state(path: Path, rng: random.Random) -> None:
+    """A .pth whose state dict is edited: a tensor renamed (into another layout's names too), reshaped,
+    recast, dropped, or one added."""
+    state = torch.load(path, weights_only=True)
+    for _ in range(rng.randint(1, 3)):
+        name = rng.choice(sorted(state))
+        how = rng.choice(["rename", "reshape", "dtype", "drop", "add"])
+        if how == "rename":
+            new = rng.choice(["rwkv." + name, "model.layers.0.attn.r_k", "moba.0.ln1.weight", "blocks.7." + name,
+                              name.replace("blocks.0", "blocks.99999999999"), "emb.weight", ""])
+            state[new] = state.pop(name)
+        elif how == "reshape":
+            state[name] = state[name].reshape(rng.choice([[-1], [1, -1], [-1, 1], [*state[name].shape, 1]]))
+        elif how == "dtype":
+            state[name] = state[name].to(rng.choice([torch.float16, torch.float64, torch.int64, torch.bool,
+                                                     torch.complex64, torch.bfloat16, torch.uint8]))
+        elif how == "drop":
+            del state[name]
+        else:
+            state[rng.choice(["x", "blocks.0.att.extra", "head.bias"])] = torch.zeros(rng.randint(0, 3))
+    torch.save(state, path)
+
+
 def _mutate_file_json(path: Path, rng: random.Random) -> None:
     if rng.random() < 0.2:
         path.write_bytes(_mutate_bytes(path.read_bytes(), rng))
@@ -139,7 +162,10 @@ def _forged_input(originals: Path, work: Path, rng: random.Random, mutate: bool)
     elif kind == "pth":
         path = src / "model.pth"
         shutil.copy(originals / "model.pth", path)
-        target = lambda: path.write_bytes(_mutate_bytes(path.read_bytes(), rng))  # noqa: E731
+        if rng.random() < 0.5:
+            target = lambda: path.write_bytes(_mutate_bytes(path.read_bytes(), rng))  # noqa: E731
+        else:
+            target = lambda: _mutate_state(path, rng)  # noqa: E731
     elif kind.startswith("hf"):
         path = src / "hf"
         shutil.copytree(originals / "hf", path)
