@@ -458,6 +458,8 @@ def print_summary(summary: dict, run_dir: Path) -> None:
 def print_initial(report: dict) -> None:
     """What train.init_from gave the model: its sizes, and an upcycle's plan per block."""
     out.print(f"weights from {report['source']} ({report['layout']}): {report['sizes']}", markup=False)
+    for note in report.get("notes", ()):
+        out.print(f"  note: {note}", markup=False)
     if report["plan"] is None:
         return
     table = Table(title="upcycle: what each block starts from", title_justify="left")

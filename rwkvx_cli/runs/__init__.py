@@ -4,6 +4,7 @@
     store       checkpoint directories: written atomically, verified by checksum, newest good first
     weights     weights into a model, from a checkpoint or from elsewhere (.safetensors, RWKV-LM .pth)
     tokenizers  the tokenizer of a run
+    start_tokenizer  train.init_from's tokenizer, where the weights name one, against the run's
     data        a run's data: prepared once, opened with its checks
     runtime     device and precision, resolved once per command (Runtime)
     memory      what fits the device, checked before allocating

@@ -7,6 +7,10 @@ and a size it does write must agree, or each tensor it contradicts is named. A c
 for MoBA blocks the weights do not have is an upcycle, as RWKV-X's `init_moba_from_rwkv`: the
 RWKV-7 blocks load in order and each MoBA block starts from the RWKV-7 block below it
 (runs/formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
+
+Before anything of the run is written, the weights are checked: every file's fields by its reader
+(docs/formats.md#files-from-elsewhere-what-is-refused-what-is-accepted), their values in one pass
+(`check_values`), and the tokenizer they name against the run's (runs/start_tokenizer.py).
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from rwkvx_cli.runs.formats import (
 )
 from rwkvx_cli.runs.formats.errors import FormatError
 from rwkvx_cli.runs.formats.sizes import LORA_FIELDS, SIZE_KEYS
+from rwkvx_cli.runs.start_tokenizer import check_start_tokenizer
 
 
 @dataclass
@@ -41,10 +46,13 @@ class Start:
 
 
 def plan_start(cfg: Config) -> Start:
-    """The model `cfg.train.init_from`'s weights make with `cfg`'s settings (reads names and shapes only)."""
+    """The model `cfg.train.init_from`'s weights make with `cfg`'s settings, from their names and shapes,
+    after one pass over their values (`check_values`): refused here, nothing of the run is written yet."""
     source, sizes = open_any(cfg.train.init_from)
+    check_start_tokenizer(cfg, sizes.notes)
     with source:
         shapes = source.shapes()
+        check_values(source, str(cfg.train.init_from))
     written = {k.split(".", 1)[1] for k in cfg.written if k.startswith("model.")}
     kinds = layer_kinds(cfg.model)
     upcycle = "moba" in kinds and sizes.n_attn == 0  # MoBA blocks only the config asks for
@@ -59,6 +67,22 @@ def plan_start(cfg: Config) -> Start:
             target = LM(model).state_dict()
         plan = upcycle_plan(shapes, target)
     return Start(cfg.train.init_from, model, sizes, plan)
+
+
+def check_values(source, where: str) -> None:
+    """Refuse, tensor by tensor, weights the model's fp32 parameters cannot take as they are: a tensor
+    that is not floating point, NaN / inf, and fp64 values past fp32's range (they would load as inf)."""
+    for name in source.names():
+        dtype = source.dtype(name)
+        if not dtype.is_floating_point:
+            raise FormatError(f"{where}: {name} is {str(dtype).removeprefix('torch.')}, not floating point")
+        t = source.get(name)
+        if not torch.isfinite(t).all():
+            raise FormatError(f"{where}: {name} holds non-finite values")
+        if dtype == torch.float64 and not torch.isfinite(t.float()).all():
+            raise FormatError(f"{where}: {name} holds values too large for the model's float32")
+        del t
+        source.release(name)
 
 
 def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tensor]:

@@ -18,11 +18,21 @@ def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
 
 
 def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
-    """Strict load that reports every missing, unexpected or mis-shaped tensor, and refuses NaN/inf."""
-    problems = mismatch(model.state_dict(), weights)
+    """Strict load that reports every missing, unexpected or mis-shaped tensor, refuses a tensor that is
+    not floating point where the model's is (an integer or bool tensor would be cast into weights), and
+    NaN/inf, including values the model's dtype cannot hold (an fp64 1e300 would load as inf)."""
+    own = model.state_dict()
+    problems = mismatch(own, weights)
     if problems:
         raise CheckpointError(f"{source} does not match the model: {problems}")
+    for name, t in weights.items():
+        if own[name].is_floating_point() and not t.is_floating_point():
+            raise CheckpointError(f"{source}: {name} is {str(t.dtype).removeprefix('torch.')}, not floating point")
     check_finite(weights, source)
+    for name, t in weights.items():  # one cast copy at a time
+        if t.is_floating_point() and t.dtype != own[name].dtype and not torch.isfinite(t.to(own[name].dtype)).all():
+            want = str(own[name].dtype).removeprefix("torch.")
+            raise CheckpointError(f"{source}: {name} holds values too large for the model's {want}")
     model.load_state_dict(weights)
 
 

@@ -119,7 +119,13 @@ def _start_from(cfg: Config) -> Start | None:
 def start_report(start: Start) -> dict:
     """What `rwkvx init` / `train` say about train.init_from: the sizes read and an upcycle's plan."""
     plan = plan_summary(start.plan) if start.plan is not None else None
-    return {"source": start.source, "layout": start.sizes.layout, "sizes": sizes_line(start.sizes), "plan": plan}
+    return {
+        "source": start.source,
+        "layout": start.sizes.layout,
+        "sizes": sizes_line(start.sizes),
+        "notes": list(start.sizes.notes),
+        "plan": plan,
+    }
 
 
 def open_run(

@@ -43,6 +43,10 @@ def _open(path, need_sizes: bool) -> tuple[TensorSource, Sizes | None]:
     sizes = infer_sizes(base.shapes())
     if layout == "rwkvx":
         sizes.ln_x_eps = _rwkvx_ln_x_eps(base)
+    elif layout == "hf":  # no config.json: fla's defaults, norm_eps 1e-5, so its group norm's eps is head_dim x 1e-5
+        from rwkvx_cli.runs.formats.hf import LN_EPS
+
+        sizes.layout, sizes.ln_x_eps = "hf", sizes.head_size * LN_EPS
     return base, sizes
 
 
@@ -65,7 +69,7 @@ def _rwkvx_ln_x_eps(source: TensorSource) -> float | None:
         else:
             return None
         eps = config["model"].get("ln_x_eps")
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
         return None  # no readable config beside the weights: the tensors alone, as for a bare file
     if eps is None:
         return None

@@ -21,7 +21,6 @@ change, and the tensors are renamed lazily.
 
 from __future__ import annotations
 
-import json
 import math
 import re
 from collections.abc import Mapping
@@ -32,8 +31,10 @@ import torch
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.fsio import fsync_path
 from rwkvx_cli.runs.formats import sizes as sz
+from rwkvx_cli.runs.formats.checks import U64_MAX, is_int, is_number, show, strict_json
 from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
 from rwkvx_cli.runs.formats.tensors import (
+    HF_INDEX,
     INVERSE,
     MappedSource,
     Rule,
@@ -41,8 +42,8 @@ from rwkvx_cli.runs.formats.tensors import (
     Shape,
     TensorSource,
     as_source,
-    hf_shards,
     materialize,
+    open_shards,
 )
 from rwkvx_cli.runs.formats.write import DEFAULT_SHARD_BYTES, atomic_dir, write_json, write_shards
 
@@ -114,6 +115,9 @@ def from_hf_rules(shapes: Mapping[str, Shape], tied: bool = False) -> list[Rule]
     """Rules that turn fla's tensors (`{name: shape}`) into rwkvx's names, with zeros for layer 0's
     v0 [1, 1, C], v1 [C, Dv], v2 [Dv, C] (Dv read from layer 1's v_lora, or the rule for one layer).
     `tied`: lm_head is the embedding (tie_word_embeddings)."""
+    emb = shapes.get("model.embeddings.weight")
+    if emb is not None and len(emb) != 2:
+        raise FormatError(f"model.embeddings.weight is {list(emb)}, not [vocab_size, hidden_size]")
     rules = []
     for name in shapes:
         if name in _TOP_BACK:
@@ -221,56 +225,107 @@ def generation_config(eod_id: int = 0) -> dict:
     return {"bos_token_id": eod_id, "eos_token_id": eod_id, "_from_model_config": True}
 
 
+# fla's RWKV7Config defaults (fla/models/rwkv7/configuration_rwkv7.py): what fla builds for a key
+# config.json leaves out. A key written as null means the layer's own rule instead (LoRA ranks: fla's
+# lora rule, fla/layers/rwkv7.py; intermediate_size: hidden_ratio x C rounded up to 32).
+FLA_DEFAULTS = {
+    "head_dim": 64,
+    "hidden_ratio": 4,
+    "decay_low_rank_dim": 64,
+    "a_low_rank_dim": 64,
+    "v_low_rank_dim": 16,
+    "gate_low_rank_dim": 128,
+    "vocab_size": 32000,
+    "norm_eps": LN_EPS,
+}
+_LORA_KEYS = ("decay_low_rank_dim", "a_low_rank_dim", "v_low_rank_dim", "gate_low_rank_dim")
+_LORA_FACTOR = (2.5, 2.5, 1.7, 5.0)
+
+
 def sizes_from_hf_config(config: dict, where: str = "config.json") -> dict[str, object]:
-    """The sizes config.json states, after refusing every setting rwkvx's RWKV-7 cannot reproduce."""
+    """The sizes config.json states, as fla's RWKV7Config and RWKV7 layers read them (a key left
+    out takes fla's default), after checking every key rwkvx reads for its type and range and
+    refusing every setting rwkvx's RWKV-7 cannot reproduce. Keys rwkvx does not read (auto_map,
+    token ids, dtype, ...) are not looked at: no code from the directory is ever loaded."""
 
     def need(cond: bool, why: str):
         if not cond:
             raise FormatError(f"{where}: {why}")
 
-    get = config.get
-    need(get("model_type") == "rwkv7", f"model_type is {get('model_type')!r}, not 'rwkv7' (fla's RWKV-7)")
-    need(not get("attn"), "it has softmax-attention layers ('attn'), which rwkvx's RWKV-7 stack does not")
-    C, L = get("hidden_size"), get("num_hidden_layers")
-    need(isinstance(C, int) and isinstance(L, int) and C > 0 and L > 0, "hidden_size / num_hidden_layers missing")
-    head = get("head_dim") or (C // get("num_heads") if get("num_heads") else None)
-    eps = float(get("norm_eps", 1e-5))
+    def typed(key: str, ok, what: str, nullable: bool = True):
+        value = config.get(key, FLA_DEFAULTS.get(key))
+        need((nullable and value is None) or ok(value), f"{key} is {show(value)}, not {what}")
+        return value
+
+    def positive(value) -> bool:
+        return is_int(value) and 0 < value <= U64_MAX
+
+    model_type = config.get("model_type")
+    need(model_type == "rwkv7", f"model_type is {show(model_type)}, not 'rwkv7' (fla's RWKV-7)")
+    attn = config.get("attn")
+    need(attn is None, f"attn is {show(attn)}: softmax-attention layers, which rwkvx's RWKV-7 stack does not have")
+    need("hidden_size" in config and "num_hidden_layers" in config, "hidden_size / num_hidden_layers missing")
+    C = typed("hidden_size", positive, "a size (an integer > 0)", nullable=False)
+    L = typed("num_hidden_layers", positive, "a layer count (an integer > 0)", nullable=False)
+    head = typed("head_dim", positive, "a head size (an integer > 0) or null")
+    heads = typed("num_heads", positive, "a head count (an integer > 0) or null")
+    need(head is not None or heads is not None, "head_dim / num_heads missing (both null)")
+    if head is None:  # fla: head_dim = hidden_size // num_heads
+        need(C % heads == 0, f"num_heads {heads} does not divide hidden_size {C}")
+        head = C // heads
+    need(C % head == 0, f"head_dim {head} does not divide hidden_size {C}")
+    need(heads is None or heads * head == C, f"head_dim {head} x num_heads {heads} is not hidden_size {C}")
+    eps = typed("norm_eps", lambda v: is_number(v) and v > 0, "a number > 0", nullable=False)
     need(math.isclose(eps, LN_EPS, rel_tol=1e-9), f"norm_eps {eps} (rwkvx's LayerNorms use {LN_EPS})")
-    need(head is not None, "head_dim / num_heads missing")
-    need(isinstance(head, int) and head > 0 and C % head == 0, f"head_dim {head} does not divide hidden_size {C}")
-    need(get("hidden_act", "sqrelu") == "sqrelu", f"hidden_act {get('hidden_act')!r} (rwkvx's channel mix is sqrelu)")
-    need(get("norm_first", True) is True, "norm_first is false: rwkvx always normalises the embedding (ln0)")
-    need(get("norm_bias", True) is True, "norm_bias is false: rwkvx's LayerNorms have biases")
-    vd = get("value_dim")
+    act = config.get("hidden_act", "sqrelu")
+    need(act == "sqrelu", f"hidden_act is {show(act)}, not 'sqrelu' (rwkvx's channel mix)")
+    for key, why in (
+        ("norm_first", "norm_first is false: rwkvx always normalises the embedding (ln0)"),
+        ("norm_bias", "norm_bias is false: rwkvx's LayerNorms have biases"),
+    ):
+        value = config.get(key, True)
+        need(isinstance(value, bool), f"{key} is {show(value)}, not true or false")
+        need(value, why)
+    vd = config.get("value_dim")
+    spelt = vd if is_int(vd) or vd is None else show(vd)
     need(
-        vd is None or all(v == C for v in (vd if isinstance(vd, list) else [vd])), f"value_dim {vd} != hidden_size {C}"
+        vd is None or vd == C or (isinstance(vd, list) and len(vd) == L and all(is_int(v) and v == C for v in vd)),
+        f"value_dim {spelt} is not hidden_size {C} (or a list of it, one per layer)",
     )
-    inter = get("intermediate_size")
-    if inter is None:  # fla's default: hidden_ratio x C rounded up to a multiple of 32
-        inter = 32 * ((int(C * (get("hidden_ratio") or 4)) + 31) // 32)
+    inter = typed("intermediate_size", positive, "a width (an integer > 0) or null")
+    ratio = typed("hidden_ratio", lambda v: is_number(v) and 0 < v <= 2**32, "a number > 0 or null")
+    if inter is None:  # fla's RWKV7FeedForward: hidden_ratio (None: 4) x C rounded up to a multiple of 32
+        inter = 32 * ((int(C * (ratio if ratio is not None else 4)) + 31) // 32)
+    ranks = []
+    for key, m in zip(_LORA_KEYS, _LORA_FACTOR, strict=True):
+        rank = typed(key, positive, "a rank (an integer > 0) or null")
+        factor = head / 64 if key != "gate_low_rank_dim" else 1.0  # fla/layers/rwkv7.py's rule for null
+        ranks.append(rank if rank is not None else max(32, int(round((m * (C**0.5)) * factor / 32) * 32)))
+    vocab = typed("vocab_size", positive, "a vocabulary size (an integer > 0)", nullable=False)
+    tied = config.get("tie_word_embeddings", False)
+    need(isinstance(tied, bool), f"tie_word_embeddings is {show(tied)}, not true or false")
     return {
-        "vocab_size": get("vocab_size"),
+        "vocab_size": vocab,
         "n_embd": C,
         "n_layer": L,
         "head_size": head,
         "ffn_size": inter,
-        "lora": sz.LoraRanks(
-            *(get(k) for k in ("decay_low_rank_dim", "a_low_rank_dim", "v_low_rank_dim", "gate_low_rank_dim"))
-        ),
-        "tied": bool(get("tie_word_embeddings", False)),
+        "lora": sz.LoraRanks(*ranks),
+        "tied": tied,
         "ln_x_eps": head * eps,  # fla's g_norm eps (the eps rule)
     }
 
 
 def read_hf_config(path: Path) -> dict:
+    """config.json of an HF directory: strict JSON (checks.strict_json), an object."""
+    file = Path(path) / "config.json"
     try:
-        cfg = json.loads((Path(path) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError) as e:
-        raise FormatError(f"{Path(path) / 'config.json'} is missing or not JSON ({e})") from None
-    except RecursionError:
-        raise FormatError(f"{Path(path) / 'config.json'} is not JSON (nested too deeply)") from None
+        raw = file.read_bytes()
+    except OSError as e:
+        raise FormatError(f"{file} is missing or unreadable ({e.strerror or e})") from None
+    cfg = strict_json(raw, str(file))
     if not isinstance(cfg, dict):
-        raise FormatError(f"{Path(path) / 'config.json'} is not a JSON object")
+        raise FormatError(f"{file} is {show(cfg)}, not a JSON object")
     return cfg
 
 
@@ -278,11 +333,14 @@ def open_hf(path: str | Path) -> tuple[TensorSource, sz.Sizes]:
     """An HF (fla) RWKV-7 directory as a lazy rwkvx-named source, and its sizes (from the tensors,
     checked against config.json: every size that disagrees is named)."""
     path = Path(path)
-    stated = sizes_from_hf_config(read_hf_config(path))
-    files = hf_shards(path) if (path / "model.safetensors.index.json").is_file() else [path / "model.safetensors"]
-    if not files[0].is_file():
+    config = read_hf_config(path)
+    stated = sizes_from_hf_config(config, str(path / "config.json"))
+    if (path / HF_INDEX).is_file():
+        base = open_shards(path)
+    elif (path / "model.safetensors").is_file():
+        base = SafetensorsFiles([path / "model.safetensors"])
+    else:
         raise FormatError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    base = SafetensorsFiles(files)
     rules = from_hf_rules(base.shapes(), tied=stated["tied"])
     source = MappedSource(base, rules)
     sizes = sz.infer_sizes(source.shapes(), layout="rwkv-lm")
@@ -298,6 +356,11 @@ def open_hf(path: str | Path) -> tuple[TensorSource, sz.Sizes]:
     wrong = [f"{k} {stated[k]} (the tensors: {v})" for k, v in said.items() if stated[k] is not None and stated[k] != v]
     if wrong:
         raise SizeMismatchError(f"{path / 'config.json'} disagrees with the tensors: {'; '.join(wrong)}")
+    if "auto_map" in config:
+        sizes.notes.append(
+            "config.json's auto_map (remote code) is ignored: rwkvx never runs a model directory's code; "
+            "the tensors are read as fla's RWKV7ForCausalLM"
+        )
     return source, sizes
 
 

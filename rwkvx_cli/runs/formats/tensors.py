@@ -19,7 +19,7 @@ conversion here is.
 
 from __future__ import annotations
 
-import json
+import dataclasses
 import mmap
 import os
 import re
@@ -31,6 +31,7 @@ from pathlib import Path
 
 import torch
 
+from rwkvx_cli.runs.formats.checks import U64_MAX, is_int, show, strict_json
 from rwkvx_cli.runs.formats.errors import FormatError
 
 # safetensors' dtype names (the format's spec) and torch's.
@@ -121,8 +122,15 @@ class _Entry:
     end: int
 
 
+# The dtypes safetensors' format knows that rwkvx does not read (8-bit floats, unsigned integers
+# wider than a byte, sub-byte floats, complex): refused by name rather than as unknown.
+ST_OTHER_DTYPES = ("F8_E4M3", "F8_E5M2", "F8_E8M0", "F6_E2M3", "F6_E3M2", "F4", "U16", "U32", "U64", "C64")
+MAX_HEADER = 100_000_000  # safetensors' own limit on the header's length
+
+
 def read_safetensors_header(path: Path) -> tuple[dict, int]:
-    """(header dict, byte offset where the data starts) of a .safetensors file."""
+    """(header dict, byte offset where the data starts) of a .safetensors file: its length and JSON
+    checked (strict_json), its entries not yet (`safetensors_entries`)."""
     try:
         with open(path, "rb") as f:
             head = f.read(8)
@@ -130,16 +138,96 @@ def read_safetensors_header(path: Path) -> tuple[dict, int]:
                 raise FormatError(f"{path} is not a safetensors file (shorter than its header)")
             (n,) = struct.unpack("<Q", head)
             size = os.fstat(f.fileno()).st_size
-            if n > min(size - 8, 100 << 20):
-                raise FormatError(f"{path} is not a safetensors file (header length {n})")
-            header = json.loads(f.read(n))
+            if n > min(size - 8, MAX_HEADER):
+                raise FormatError(f"{path} is not a safetensors file (header length {n}, file {size} bytes)")
+            raw = f.read(n)
     except OSError as e:
         raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
-    except (ValueError, UnicodeDecodeError, RecursionError):
-        raise FormatError(f"{path} is not a safetensors file (its header is not JSON)") from None
+    try:
+        header = strict_json(raw, f"{path}'s header")
+    except FormatError as e:
+        raise FormatError(f"{path} is not a safetensors file: {e}") from None
     if not isinstance(header, dict):
-        raise FormatError(f"{path} is not a safetensors file (its header is not an object)")
+        raise FormatError(f"{path} is not a safetensors file (its header is {show(header)}, not an object)")
     return header, 8 + n
+
+
+def safetensors_entries(path: Path, header: dict, start: int, size: int) -> tuple[dict[str, str], dict[str, _Entry]]:
+    """(metadata, {name: entry} in file order) of a parsed header, after checking every field as
+    safetensors' own reader does and more: each entry an object of a known dtype, a shape of
+    integers and two integer data_offsets; the byte ranges in order, contiguous from the data's
+    first byte to the file's last, each `shape x itemsize` long. One FormatError per file, naming
+    the tensor and the field."""
+    meta = header.get("__metadata__")
+    if meta is not None and not (isinstance(meta, dict) and all(isinstance(v, str) for v in meta.values())):
+        what = show(meta) if not isinstance(meta, dict) else "an object whose values are not all strings"
+        raise FormatError(f"{path}: __metadata__ is {what}, not an object of strings")
+    entries: dict[str, _Entry] = {}
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        where = f"{path}: tensor {show(name)}"
+        if not isinstance(info, dict):
+            raise FormatError(f"{where} is {show(info)}, not an object of dtype, shape and data_offsets")
+        for field in ("dtype", "shape", "data_offsets"):
+            if field not in info:
+                raise FormatError(f"{where} has no {field}")
+        dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:
+            known = dtype in ST_OTHER_DTYPES if isinstance(dtype, str) else False
+            why = "a safetensors dtype rwkvx does not read" if known else "not a safetensors dtype"
+            raise FormatError(f"{where}: dtype {show(dtype)} is {why} (rwkvx reads {', '.join(ST_DTYPES)})")
+        if not (isinstance(shape, list) and all(is_int(d) and 0 <= d <= U64_MAX for d in shape)):
+            raise FormatError(f"{where}: shape is {_spell(shape)}, not a list of sizes (integers >= 0)")
+        two = isinstance(offsets, list) and len(offsets) == 2
+        if not (two and all(is_int(x) and 0 <= x <= U64_MAX for x in offsets)):
+            raise FormatError(f"{where}: data_offsets is {_spell(offsets)}, not two byte offsets (integers >= 0)")
+        n = 1
+        for d in shape:  # safetensors' rule: the running product, in order, fits 64 bits
+            n *= d
+            if n > U64_MAX:
+                raise FormatError(f"{where}: shape {_spell(shape)} overflows 64-bit sizes")
+        if n == 0 and not _makes_empty(shape):  # torch's sizes are int64: [0, 2**63] is no tensor
+            raise FormatError(f"{where}: shape {_spell(shape)} overflows 64-bit sizes (torch's)")
+        nbytes = n * _itemsize(ST_DTYPES[dtype])
+        begin, end = offsets
+        if end - begin != nbytes:
+            raise FormatError(
+                f"{where}: data_offsets {offsets} hold {end - begin} bytes, but {dtype} {_spell(shape)} is "
+                f"{nbytes} bytes"
+            )
+        entries[name] = _Entry(0, ST_DTYPES[dtype], tuple(shape), start + begin, start + end)
+    at = start  # the byte ranges, in order, must tile the data exactly (as safetensors checks)
+    ordered = dict(sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end)))
+    for name, e in ordered.items():
+        if e.begin != at:
+            how = "overlaps the tensor before it" if e.begin < at else f"leaves a gap of {e.begin - at} bytes before it"
+            raise FormatError(
+                f"{path}: tensor {show(name)}: data_offsets [{e.begin - start}, {e.end - start}] {how} "
+                "(the byte ranges must be contiguous and not overlap)"
+            )
+        at = e.end
+    if at != size:
+        what = "is shorter than" if at > size else f"has {size - at} bytes after"
+        raise FormatError(f"{path} {what} its tensors' data (truncated, or not a safetensors file)")
+    return dict(meta or {}), ordered
+
+
+def _makes_empty(shape: list[int]) -> bool:
+    """Whether torch makes a zero-size tensor of `shape` as safetensors' reader does (an empty tensor
+    reshaped): its sizes are int64, and some shapes overflow its strides."""
+    try:
+        torch.empty(0, device="meta").reshape(shape)
+    except (RuntimeError, TypeError, OverflowError, ValueError):
+        return False
+    return True
+
+
+def _spell(value: object) -> str:
+    """A short list of integers as it is, anything else by `show`."""
+    if isinstance(value, list) and len(value) <= 8 and all(is_int(x) and abs(x) < 10**30 for x in value):
+        return str(value)
+    return show(value)
 
 
 class SafetensorsFiles(TensorSource):
@@ -151,21 +239,18 @@ class SafetensorsFiles(TensorSource):
         self.metadata: dict[str, str] = {}
         for i, path in enumerate(self.paths):
             header, start = read_safetensors_header(path)
-            size = path.stat().st_size
-            self.metadata.update(header.pop("__metadata__", None) or {})
-            for name, info in sorted(header.items(), key=lambda kv: kv[1].get("data_offsets", [0])[0]):
-                try:
-                    dtype = ST_DTYPES[info["dtype"]]
-                    shape = tuple(int(d) for d in info["shape"])
-                    b, e = (int(x) for x in info["data_offsets"])
-                except (KeyError, TypeError, ValueError):
-                    raise FormatError(f"{path}: tensor {name!r} has an unreadable or unsupported entry") from None
+            try:
+                size = path.stat().st_size
+            except OSError as e:
+                raise FormatError(f"cannot read {path}: {e.strerror or e}") from None
+            metadata, entries = safetensors_entries(path, header, start, size)
+            self.metadata.update(metadata)
+            for name, entry in entries.items():
                 if name in self._entries:
-                    raise FormatError(f"tensor {name!r} is in both {self.paths[self._entries[name].file]} and {path}")
-                entry = _Entry(i, dtype, shape, start + b, start + e)
-                if entry.end > size or entry.end - entry.begin != _numel(shape) * _itemsize(dtype):
-                    raise FormatError(f"{path}: tensor {name!r} does not fit its shape or the file (truncated?)")
-                self._entries[name] = entry
+                    raise FormatError(
+                        f"tensor {show(name)} is in both {self.paths[self._entries[name].file]} and {path}"
+                    )
+                self._entries[name] = dataclasses.replace(entry, file=i)
             self._maps.append(None)
             self._files.append(None)
 
@@ -192,8 +277,8 @@ class SafetensorsFiles(TensorSource):
     def get(self, name: str) -> torch.Tensor:
         e = self._entries[name]
         n = _numel(e.shape)
-        if n == 0:
-            return torch.empty(e.shape, dtype=e.dtype)
+        if n == 0:  # as safetensors makes it (the header check tried the same on the meta device)
+            return torch.empty(0, dtype=e.dtype).reshape(e.shape)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             flat = torch.frombuffer(self._map(e.file), dtype=e.dtype, count=n, offset=e.begin)
@@ -242,6 +327,9 @@ class PthSource(DictSource):
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in sd.items()
         ):
             raise FormatError(f"{path} does not hold a flat state dict of named tensors")
+        for k, v in sd.items():  # weights_only also unpickles sparse and quantized tensors: not weights here
+            if v.layout != torch.strided or v.is_quantized or v.device.type != "cpu":
+                raise FormatError(f"{path}: tensor {show(k)} is not a plain dense tensor ({v.layout}, {v.dtype})")
         super().__init__(sd)
         self.path = path
 
@@ -364,7 +452,7 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
     path = Path(path)
     if path.is_dir():
         if (path / HF_INDEX).is_file():
-            return SafetensorsFiles(hf_shards(path))
+            return open_shards(path)
         if (path / "model.safetensors").is_file() and not (path / "meta.json").is_file():
             return SafetensorsFiles([path / "model.safetensors"])
         from rwkvx_cli.runs.store import resolve_checkpoint  # the store's own finder (verifies checksums)
@@ -379,15 +467,50 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
     raise FormatError(f"{path}: expected a .safetensors or .pth file, or a directory")
 
 
+def open_shards(path: Path) -> SafetensorsFiles:
+    """The shards of an HF directory's index, opened and checked against it."""
+    weight_map = hf_index(path)
+    source = SafetensorsFiles(sorted({path / f for f in weight_map.values()}))
+    check_index(weight_map, source, path / HF_INDEX)
+    return source
+
+
 def hf_shards(path: Path) -> list[Path]:
     """The shard files an HF `model.safetensors.index.json` names, each checked to exist."""
+    return sorted({path / f for f in hf_index(path).values()})
+
+
+def hf_index(path: Path) -> dict[str, str]:
+    """The weight map of an HF directory's `model.safetensors.index.json` ({tensor: shard file}),
+    checked: strict JSON, a non-empty object of strings, each shard a plain file name in `path`.
+    Which tensors there are is the shards' to say (as transformers, which loads every tensor of
+    every shard the map names); `check_index` holds each entry to its shard."""
     index = path / HF_INDEX
     try:
-        weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
-        files = sorted(set(weight_map.values()))
-    except (OSError, ValueError, KeyError, TypeError, AttributeError, RecursionError):
-        raise FormatError(f"{index} is not a safetensors index (no weight_map)") from None
-    for f in files:
-        if Path(f).name != f or not (path / f).is_file():
-            raise FormatError(f"{index} names a shard {f!r} that is not in {path}")
-    return [path / f for f in files]
+        raw = index.read_bytes()
+    except OSError as e:
+        raise FormatError(f"cannot read {index}: {e.strerror or e}") from None
+    try:
+        doc = strict_json(raw, str(index))
+    except FormatError as e:
+        raise FormatError(f"{index} is not a safetensors index: {e}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        what = show(weight_map) if isinstance(doc, dict) and "weight_map" in doc else "missing"
+        raise FormatError(f"{index} is not a safetensors index: its weight_map is {what}, not an object")
+    if not weight_map:
+        raise FormatError(f"{index}: weight_map is empty (it names no tensor and no shard)")
+    for name, f in weight_map.items():
+        if not isinstance(f, str):
+            raise FormatError(f"{index}: weight_map[{show(name)}] is {show(f)}, not a shard file name")
+        if f in ("", ".", "..") or Path(f).name != f or "\\" in f or not (path / f).is_file():
+            raise FormatError(f"{index}: weight_map[{show(name)}] names a shard {show(f)} that is not a file in {path}")
+    return weight_map
+
+
+def check_index(weight_map: Mapping[str, str], source: SafetensorsFiles, index: Path) -> None:
+    """Every tensor the index names is in the shard it names (a tensor it leaves out is read from
+    its shard all the same)."""
+    for name, f in weight_map.items():
+        if name not in source or source.paths[source._entries[name].file].name != f:
+            raise FormatError(f"{index}: weight_map[{show(name)}] says {show(f)}, but that shard has no such tensor")
