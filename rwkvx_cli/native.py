@@ -182,8 +182,15 @@ def native_unavailable(library: Callable[[], ctypes.CDLL]) -> str | None:
 
 
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
-    """A tensor's data pointer for a C call (the caller keeps the tensor alive)."""
+    """A tensor's data pointer for a C call. The pointer holds no reference: the caller keeps the
+    tensor alive, under a name, until the call returns. `ptr(x.contiguous())` frees the copy it
+    makes before the kernel reads it (a strided or expanded x: a gradient of `.sum()`)."""
     return ctypes.c_void_p(t.data_ptr())
+
+
+def optional_ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
+    """`ptr` of an optional argument: a null pointer for None."""
+    return None if t is None else ptr(t)
 
 
 def ptr_array(tensors: list[torch.Tensor | None]) -> ctypes.Array:

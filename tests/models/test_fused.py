@@ -56,7 +56,7 @@ def test_fused_equals_unfused_in_fp64_with_a_carried_state(kind):
     for (name, a), b in zip(fused.named_parameters(), plain.parameters(), strict=True):
         assert (a.grad is None) == (b.grad is None), name
         if a.grad is not None:
-            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=name)
+            torch.testing.assert_close(a.grad, b.grad, rtol=1e-9, atol=1e-12, msg=lambda m, name=name: f"{name}: {m}")
 
 
 def test_the_same_parameters_and_names_either_way():

@@ -39,6 +39,17 @@ SEQUENCE = INPUTS[:7]  # [B, T, H, N]
 PARAMETERS = INPUTS[7:]  # per channel
 
 
+def prep_outputs(outs: tuple, residual: bool, v, pass_r: bool) -> tuple:
+    """A backend Function's outputs as the op returns them, (w, k', v', a, b, bonus) and r with
+    `pass_r`: the Functions leave v' out in the first layer (no value residual), where it is v itself."""
+    r = (outs[-1],) if pass_r else ()
+    outs = outs[:-1] if pass_r else outs
+    if residual:
+        return (*outs, *r)
+    w, k_out, a, b, bonus = outs
+    return (w, k_out, v, a, b, bonus, *r)
+
+
 def rwkv7_prep(
     r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r: bool = False, backend: str = "auto"
 ):

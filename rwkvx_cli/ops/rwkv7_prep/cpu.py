@@ -16,8 +16,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
 from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.ops.rwkv7_prep import prep_outputs
 
 SOURCE = Path(__file__).parent / "csrc" / "rwkv7_prep_cpu.cpp"
 
@@ -117,10 +118,10 @@ def rwkv7_prep_cpu_bwd(
     present = sum(1 << i for i, g in enumerate(douts) if g is not None)
     fn = _kernel("rwkv7_prep_backward", r)
     residual = v_first is not None
-    dra = None if dr_add is None else ptr(dr_add.contiguous())  # a null pointer: nothing to add
+    dra = None if dr_add is None else dr_add.contiguous()  # None, a null pointer: nothing to add
     fn(
         *_ptrs((*ins, *params, *douts), r),
-        dra,
+        optional_ptr(dra),
         *_ptrs(grads, r),
         *(B * T, H, N, int(residual), present, _threads(B * T)),
     )
@@ -177,15 +178,4 @@ def rwkv7_prep_cpu(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_
     w0, a0, k_k, k_a, r_k = (p.reshape(C) for p in (w0, a0, k_k, k_a, r_k))
     v0 = v0.reshape(C) if residual else None
     outs = _Rwkv7PrepCPU.apply(pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
-    return _outputs(outs, residual, v, pass_r)
-
-
-def _outputs(outs, residual: bool, v, pass_r: bool) -> tuple:
-    """(w, k', v', a, b, bonus) and r with `pass_r`, from a Function's outputs: v' absent in the first
-    layer, where it is v itself."""
-    r = (outs[-1],) if pass_r else ()
-    outs = outs[:-1] if pass_r else outs
-    if residual:
-        return (*outs, *r)
-    w, k_out, a, b, bonus = outs
-    return (w, k_out, v, a, b, bonus, *r)
+    return prep_outputs(outs, residual, v, pass_r)

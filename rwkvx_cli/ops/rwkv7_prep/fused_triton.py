@@ -38,6 +38,7 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     unavailable,
     wrap_triton,
 )
+from rwkvx_cli.ops.rwkv7_prep import prep_outputs
 from rwkvx_cli.ops.rwkv7_prep.reference import DECAY_SCALE
 
 WARPS = 4
@@ -319,9 +320,4 @@ class _Rwkv7PrepTriton(torch.autograd.Function):
 
 def rwkv7_prep_triton(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *, pass_r: bool = False):
     outs = _Rwkv7PrepTriton.apply(pass_r, r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
-    r_out = (outs[-1],) if pass_r else ()
-    outs = outs[:-1] if pass_r else outs
-    if v_first is not None:
-        return (*outs, *r_out)
-    w, kp, a, b, bonus = outs
-    return (w, kp, v, a, b, bonus, *r_out)  # no value residual: v' is v itself
+    return prep_outputs(outs, v_first is not None, v, pass_r)

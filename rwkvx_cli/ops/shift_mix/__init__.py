@@ -29,6 +29,22 @@ STATES = ("state",)
 MAX_MIXES = 8  # the kernels take at most this many lerps
 
 
+def mix_rows(mix: tuple[torch.Tensor, ...], dtype: torch.dtype | None = None) -> list[torch.Tensor]:
+    """A backend Function's M lerp weights for its kernels, detached, each [C] (in `dtype`, or their own):
+    the rows of one [M, C] tensor, or M tensors of C values (the model's parameters as they are)."""
+    if len(mix) == 1 and mix[0].dim() == 2:
+        mix = mix[0].unbind(0)
+    return [m.detach().to(dtype or m.dtype).reshape(-1) for m in mix]
+
+
+def mix_grads(dmix: torch.Tensor, mix_like: list[tuple[torch.Size, torch.dtype]]) -> list[torch.Tensor]:
+    """The kernel's dmix [M, C] as the gradients of mix given as `mix_like` (shapes, dtypes): one [M, C]
+    tensor, or a view of a row for each of M tensors."""
+    if len(mix_like) == 1 and len(mix_like[0][0]) == 2:
+        return [dmix.to(mix_like[0][1])]
+    return [d.view(shape).to(dt) for d, (shape, dt) in zip(dmix, mix_like, strict=True)]
+
+
 def _check_mix(mix, C: int, device: torch.device) -> None:
     """mix: one [M, C] tensor, or a list or tuple of M tensors of C values each (the model's
     parameters, [1, 1, C], as they are), 1 <= M <= MAX_MIXES, floating point, on x's device."""

@@ -18,9 +18,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr, ptr_array
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr, ptr_array
 from rwkvx_cli.ops._cpu_op import cpu_kernel_op
-from rwkvx_cli.ops.shift_mix import MAX_MIXES
+from rwkvx_cli.ops.shift_mix import MAX_MIXES, mix_grads, mix_rows
 
 SOURCE = Path(__file__).parent / "csrc" / "shift_mix_cpu.cpp"
 
@@ -46,11 +46,6 @@ def _contiguous(t: Tensor | None) -> Tensor | None:
     return None if t is None else t.contiguous()
 
 
-def _optional(t: Tensor | None):
-    """An optional argument's pointer: a null one for None."""
-    return None if t is None else ptr(t)
-
-
 @cpu_kernel_op("rwkvx::shift_mix_cpu_fwd")
 def shift_mix_cpu_fwd(
     x: Tensor, weight: Tensor, bias: Tensor, mix: list[Tensor], state: Tensor | None, eps: float
@@ -64,12 +59,13 @@ def shift_mix_cpu_fwd(
         raise ValueError(f"the shift_mix cpu kernel takes 1 to {MAX_MIXES} lerps, got {M}")
     ins = [t.contiguous() for t in (x, weight, bias)]
     mix = [m.contiguous() for m in mix]
+    state = _contiguous(state)
     ys, s_out, mean, rstd = _shift_mix_fwd_fake(x, weight, bias, mix, state, eps)
     fn = _kernel("shift_mix_forward", x)
     fn(
         *map(ptr, ins),
         ptr_array(mix),
-        _optional(_contiguous(state)),
+        optional_ptr(state),
         ptr_array(ys),
         *map(ptr, (s_out, mean, rstd)),
         *(B, T, C, M, torch.get_num_threads(), eps),
@@ -108,18 +104,19 @@ def shift_mix_cpu_bwd(
     dstate_out, dx_add, state = _contiguous(dstate_out), _contiguous(dx_add), _contiguous(state)
     ins = [t.contiguous() for t in (x, weight, bias)]
     mix = [m.contiguous() for m in mix]
+    stats = [mean.contiguous(), rstd.contiguous()]
     grads = _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
     fn = _kernel("shift_mix_backward", x)
     fn(
         ptr_array(dys),
-        _optional(dstate_out),
+        optional_ptr(dstate_out),
         *map(ptr, ins),
         ptr_array(mix),
-        _optional(state),
-        *map(ptr, (mean.contiguous(), rstd.contiguous())),
-        _optional(dx_add),
+        optional_ptr(state),
+        *map(ptr, stats),
+        optional_ptr(dx_add),
         *map(ptr, grads[:4]),
-        None if state is None else ptr(grads[4]),
+        optional_ptr(grads[4] if state is not None else None),
         *(B, T, C, M, torch.get_num_threads()),
     )
     return grads
@@ -130,22 +127,6 @@ def _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd
     B, T, C = x.shape
     dstate = x.new_empty(0) if state is None else state.new_empty(B, C)
     return x.new_empty(B, T, C), weight.new_empty(C), bias.new_empty(C), x.new_empty(len(mix), C), dstate
-
-
-def mix_rows(mix: tuple[torch.Tensor, ...], dtype: torch.dtype) -> list[torch.Tensor]:
-    """The M lerp weights, each [C] in `dtype`: the rows of one [M, C] tensor, or M tensors of C values
-    (the model's parameters as they are)."""
-    if len(mix) == 1 and mix[0].dim() == 2:
-        mix = mix[0].unbind(0)
-    return [m.detach().to(dtype).reshape(-1) for m in mix]
-
-
-def mix_grads(dmix: Tensor, mix_like: list[tuple[torch.Size, torch.dtype]]) -> list[Tensor]:
-    """The kernel's dmix [M, C] as the gradients of mix given as `mix_like` (shapes, dtypes): one [M, C]
-    tensor, or a view of a row for each of M tensors."""
-    if len(mix_like) == 1 and len(mix_like[0][0]) == 2:
-        return [dmix.to(mix_like[0][1])]
-    return [d.view(shape).to(dt) for d, (shape, dt) in zip(dmix, mix_like, strict=True)]
 
 
 class _ShiftMixCPU(torch.autograd.Function):

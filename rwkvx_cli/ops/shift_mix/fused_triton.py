@@ -43,6 +43,7 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
     unavailable,
     wrap_triton,
 )
+from rwkvx_cli.ops.shift_mix import mix_grads, mix_rows
 
 SLOTS = 8  # pointer arguments for the outputs, their gradients and the lerp weights (shift_mix.MAX_MIXES)
 # Warps per program; the column-block backward takes twice as many past 6 lerps (half the
@@ -373,7 +374,7 @@ class _ShiftMixTriton(torch.autograd.Function):
         index_offsets(B, T, C)
         cdt, _ = compute_dtype(x.dtype)
         ins = [t.detach() for t in (x, weight, bias)]
-        rows = [m.detach().reshape(-1) for m in (mix[0].unbind(0) if len(mix) == 1 and mix[0].dim() == 2 else mix)]
+        rows = mix_rows(mix)
         s0 = state.detach().to(cdt)
         ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, rows, s0, eps)
         ctx.save_for_backward(*ins, s0, mean, rstd, *rows)
@@ -397,10 +398,7 @@ class _ShiftMixTriton(torch.autograd.Function):
         else:
             dmix = dmix_k
         wdt, bdt, sdt = ctx.dtypes
-        if len(ctx.mix_like) == 1 and len(ctx.mix_like[0][0]) == 2:  # one [M, C] tensor
-            dmixes = [dmix.to(ctx.mix_like[0][1])]
-        else:
-            dmixes = [d.view(shape).to(dt) for d, (shape, dt) in zip(dmix, ctx.mix_like, strict=True)]
+        dmixes = mix_grads(dmix, ctx.mix_like)
         return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dstate.to(sdt), None, None, *dmixes
 
 

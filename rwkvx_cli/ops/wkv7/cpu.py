@@ -17,7 +17,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
+from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
 from rwkvx_cli.ops._cpu_op import cpu_kernel_op
 
 CHUNK = 16
@@ -46,10 +46,10 @@ def wkv7_cpu_fwd(
     zeros), all fp32 or all fp64. Returns (y, state_out, snapshots, sa)."""
     B, T, H, N = r.shape
     ins = [x.contiguous() for x in (r, w, k, v, a, b)]
-    s0 = None if state is None else ptr(state.contiguous())
+    s0 = None if state is None else state.contiguous()  # kept alive by the name while the kernel runs
     y, s_out, snaps, sas = _wkv7_fwd_fake(r, w, k, v, a, b, state)
     fn = _kernel("wkv7_forward", r)
-    fn(*map(ptr, ins), s0, *map(ptr, (y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
+    fn(*map(ptr, ins), optional_ptr(s0), *map(ptr, (y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
     return y, s_out, snaps, sas
 
 
@@ -82,9 +82,9 @@ def wkv7_cpu_bwd(
     ins = [x.contiguous() for x in (r, w, k, v, a, b, snaps, sas, dy)]
     grads = _wkv7_bwd_fake(r, w, k, v, a, b, snaps, sas, dy, ds_out, need_dstate)
     fn = _kernel("wkv7_backward", r)
-    ds = None if ds_out is None else ptr(ds_out.contiguous())
-    ds0 = ptr(grads[6]) if need_dstate else None
-    fn(*map(ptr, ins), ds, *map(ptr, grads[:6]), ds0, B, T, H, N, CHUNK, torch.get_num_threads())
+    ds = None if ds_out is None else ds_out.contiguous()  # kept alive by the name while the kernel runs
+    ds0 = optional_ptr(grads[6] if need_dstate else None)
+    fn(*map(ptr, ins), optional_ptr(ds), *map(ptr, grads[:6]), ds0, B, T, H, N, CHUNK, torch.get_num_threads())
     return grads
 
 
