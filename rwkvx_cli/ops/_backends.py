@@ -4,6 +4,7 @@ spec lists each backend once, in the order "auto" tries them: fastest first."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from rwkvx_cli.ops.registry import Backend
 
@@ -21,14 +22,16 @@ def standard_backends(
     chunked: Callable,
     chunked_summary: str,
     reference: Callable,
+    reference_resets: bool = False,
 ) -> dict[str, Backend]:
     """The table of an op with a fused C++ kernel, fused Triton kernels, a pure-torch
-    chunked form and a plain reference: cpu, triton, chunked, reference."""
+    chunked form and a plain reference: cpu, triton, chunked, reference (`reference_resets`:
+    it takes document starts itself, Backend.resets)."""
     return backend_table(
         cpu_backend(cpu, cpu_summary, cpu_unavailable),
         triton_backend("triton", triton, triton_summary, triton_unavailable),
         Backend("chunked", chunked, chunked_summary),
-        reference_backend(reference),
+        reference_backend(reference, resets=reference_resets),
     )
 
 
@@ -50,23 +53,26 @@ def triton_backend(name: str, fn: Callable, summary: str, unavailable: Callable[
     return Backend(name, fn, summary, auto_devices=("cuda",), unavailable=unavailable)
 
 
-def reference_backend(fn: Callable, summary: str = ORACLE) -> Backend:
-    """The op's oracle: gradcheck's gate A compares against it; never picked by "auto"."""
-    return Backend("reference", fn, summary, production=False)
+def reference_backend(fn: Callable, summary: str = ORACLE, resets: bool = False) -> Backend:
+    """The op's oracle: gradcheck's gate A compares against it; never picked by "auto". `resets`:
+    it takes document starts itself (Backend.resets), the plain definition the others are checked on."""
+    return Backend("reference", fn, summary, production=False, resets=resets)
 
 
 def block_backends(
-    op: str, reference: Callable, cpu=None, triton=None, cpu_optional_state: bool = False
+    op: str, reference: Callable, cpu=None, triton=None, cpu_optional_state: bool = False, resets: bool = False
 ) -> dict[str, Backend]:
     """The table of a fused block op (docs/operators.md#fused-block-ops): its fused C++ kernel
     (`cpu`) and Triton kernels (`triton`), each a (fn, summary, unavailable) triple, then the
     reference, the torch composition the unfused model runs: fp64, the gradient-check oracle; in
     fp32 and bf16, the in-run baseline of `rwkvx bench` (and what "auto" falls back to).
-    `cpu_optional_state`: the C++ backend takes state=None as the zero state (Backend.optional_state)."""
+    `cpu_optional_state`: the C++ backend takes state=None as the zero state (Backend.optional_state).
+    `resets`: every backend takes document starts (Backend.resets)."""
     rows = []
     if cpu is not None:
         rows.append(cpu_backend(*cpu, optional_state=cpu_optional_state))
     if triton is not None:
         rows.append(triton_backend("triton", *triton))
     summary = f"the unfused torch composition, autograd backward (the fp64 oracle of {op})"
-    return backend_table(*rows, reference_backend(reference, summary))
+    rows.append(reference_backend(reference, summary))
+    return backend_table(*(replace(bk, resets=resets) for bk in rows))

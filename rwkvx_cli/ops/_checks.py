@@ -68,3 +68,18 @@ def check_eps(eps: float) -> float:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not eps > 0 or eps != eps or eps == float("inf"):
         raise ValueError(f"eps must be a finite number > 0, got {eps!r}")
     return float(eps)
+
+
+def check_starts(starts: torch.Tensor | None, B: int, T: int, device: torch.device) -> torch.Tensor | None:
+    """Document starts (docs/operators.md#document-starts): None, or a bool [B, T], True where a token
+    begins a document (the state before it is the zero state). On another device it is moved (it is
+    small); its values are not read here, so a GPU call does not wait on them."""
+    if starts is None:
+        return None
+    if not isinstance(starts, torch.Tensor):
+        raise ValueError(f"starts must be a torch.Tensor, got {type(starts).__name__}")
+    if starts.dtype != torch.bool:
+        raise ValueError(f"starts must be a bool tensor, got {starts.dtype}")
+    if tuple(starts.shape) != (B, T):
+        raise ValueError(f"starts must have shape {(B, T)} ([B, T]), got {tuple(starts.shape)}")
+    return starts.to(device)

@@ -45,6 +45,9 @@ class Backend:
     # pointer as zeros and skip the initial state's gradient); the op's public function passes
     # None through to such a backend and allocates zeros for the others.
     optional_state: bool = False
+    # Takes `starts=` (document starts, a bool [B, T] or None) itself. A backend that does not
+    # resets through its op's `reset_inputs` (OpSpec), or not at all where the op has none.
+    resets: bool = False
     # Returns None when usable here, else a one-line reason (missing compiler...).
     unavailable: Callable[[], str | None] = lambda: None
 
@@ -60,6 +63,19 @@ class Case:
     # Optional inputs this case leaves out: the op gets None for them, and no gradient of
     # theirs is checked (rwkv7_prep in the first layer, which has no value residual).
     absent: tuple[str, ...] = ()
+    # Document starts (docs/operators.md#document-starts): for batch row i, the times in
+    # starts[i % len(starts)] begin a document; () for none (the op gets starts=None).
+    starts: tuple[tuple[int, ...], ...] = ()
+
+    def starts_mask(self, device=None) -> torch.Tensor | None:
+        """The case's document starts as the ops take them, a bool [B, T] (None without any)."""
+        if not self.starts:
+            return None
+        B, T = self.dims["B"], self.dims["T"]
+        mask = torch.zeros(B, T, dtype=torch.bool)
+        for i in range(B):
+            mask[i, list(self.starts[i % len(self.starts)])] = True
+        return mask.to(device)
 
     def scaled(self, size: int) -> Case:
         """The same case with the time dimension multiplied by `size`."""
@@ -106,6 +122,14 @@ class OpSpec:
     # head sizes N). The fused block ops, whose kernels tile the model width C = H·N, name
     # production widths.
     compile_dims: tuple[dict[str, int], ...] = ()
+    # How a backend without its own reset (Backend.resets) sees document starts: its named inputs
+    # rewritten so that its recurrence forgets the state at them, exactly (wkv7: decay 0 and a = 0
+    # there). None: the op resets only in the backends that take `starts` themselves.
+    reset_inputs: Callable[[Tensors, torch.Tensor], Tensors] | None = None
+
+    def resets_with(self, bk: Backend) -> bool:
+        """Whether backend `bk` of this op can take document starts."""
+        return bk.resets or self.reset_inputs is not None
 
     def call(
         self, bk: Backend, tensors: Tensors, case: Case
@@ -113,9 +137,19 @@ class OpSpec:
         """Run backend `bk` on named tensors with the case's options: (outputs, states_out), each
         a tuple (one output `y` for most ops; `self.outputs` names them). Calls the backend
         itself, not the public function, so a spec may carry backends that are not registered
-        (the tests' planted bugs). A case's absent inputs are passed as None."""
-        inputs = [None if n in case.absent else tensors[n] for n in self.inputs]
+        (the tests' planted bugs). A case's absent inputs are passed as None; its document starts
+        go to a backend that takes them, or through the op's `reset_inputs`."""
+        named = {n: None if n in case.absent else tensors[n] for n in self.inputs}
         kwargs = self.kwargs(case)
+        starts = case.starts_mask(next(iter(tensors.values())).device)
+        if starts is not None:
+            if bk.resets:
+                kwargs = {**kwargs, "starts": starts}
+            elif self.reset_inputs is not None:
+                named = self.reset_inputs(named, starts)
+            else:
+                raise ValueError(f"backend {bk.name!r} of {self.name} does not reset at document starts")
+        inputs = list(named.values())
         if not self.states:
             return self._outputs(bk.fn(*inputs, **kwargs)), ()
         states = tuple(tensors[n] for n in self.states)

@@ -5,6 +5,7 @@ The backward math of shift_mix, written out here in torch as the kernels compute
 against autograd's), and the channel_mix Function (ops/channel_mix/fused.py) over these torch
 kernels: its matmuls, its relu² gradient from the output, its autocast handling."""
 
+import pytest
 import torch
 import torch.nn.functional as F
 
@@ -13,34 +14,40 @@ from rwkvx_cli.ops.channel_mix.fused import Kernels, channel_mix_with
 from rwkvx_cli.tools.gradcheck import gate_a, gate_b
 
 
-def shift_fwd(x, weight, bias, mix, state, eps):
+def _keep(starts, x):
+    """1 where x̂[t-1] carries into t, 0 where t starts a document ([B, T, 1])."""
+    return torch.ones_like(x[..., :1]) if starts is None else (~starts)[..., None].to(x.dtype)
+
+
+def shift_fwd(x, weight, bias, mix, state, eps, starts=None):
     """shift_mix's forward as its kernels compute it: LayerNorm statistics, x̂, the lerps."""
     mean = x.mean(-1)
     var = (x - mean[..., None]).pow(2).mean(-1)
     rstd = torch.rsqrt(var + eps)
     xn = (x - mean[..., None]) * rstd[..., None] * weight + bias
-    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1)
+    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1) * _keep(starts, x)
     ys = [xn + (prev - xn) * mix[m] for m in range(mix.shape[0])]
     return ys, xn[:, -1].clone(), mean, rstd
 
 
-def shift_bwd(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add=None):
-    """Its backward, by hand: with n = (x - mean) rstd, x̂ = n weight + bias and
-    y_m[t] = x̂[t] (1 - mix_m) + x̂[t-1] mix_m,
+def shift_bwd(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add=None, starts=None):
+    """Its backward, by hand: with n = (x - mean) rstd, x̂ = n weight + bias, k[t] = 0 where t
+    starts a document (else 1) and y_m[t] = x̂[t] (1 - mix_m) + k[t] x̂[t-1] mix_m,
 
-        dx̂[t]  = Σ_m dy_m[t] (1 - mix_m) + Σ_m dy_m[t+1] mix_m      (+ dstate_out at t = T-1)
-        dmix_m = Σ_{b,t} dy_m[t] (x̂[t-1] - x̂[t])                    dstate = Σ_m dy_m[0] mix_m
+        dx̂[t]  = Σ_m dy_m[t] (1 - mix_m) + k[t+1] Σ_m dy_m[t+1] mix_m   (+ dstate_out at t = T-1)
+        dmix_m = Σ_{b,t} dy_m[t] (k[t] x̂[t-1] - x̂[t])                  dstate = k[0] Σ_m dy_m[0] mix_m
         dweight = Σ dx̂ n    dbias = Σ dx̂    g = dx̂ weight
-        dx = rstd (g - mean_C(g) - n mean_C(g n))                     (+ dx_add)"""
+        dx = rstd (g - mean_C(g) - n mean_C(g n))                         (+ dx_add)"""
     n = (x - mean[..., None]) * rstd[..., None]
     xn = n * weight + bias
-    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1)
+    keep = _keep(starts, x)
+    prev = torch.cat([state[:, None], xn[:, :-1]], dim=1) * keep
     dxn = sum(dy * (1 - m) for dy, m in zip(dys, mix, strict=True))
-    nxt = sum(dy[:, 1:] * m for dy, m in zip(dys, mix, strict=True))
+    nxt = sum(dy[:, 1:] * m for dy, m in zip(dys, mix, strict=True)) * keep[:, 1:]
     dxn = dxn + F.pad(nxt, (0, 0, 0, 1))
     dxn[:, -1] += dstate_out
     dmix = torch.stack([(dy * (prev - xn)).sum((0, 1)) for dy in dys])
-    dstate = sum(dy[:, 0] * m for dy, m in zip(dys, mix, strict=True))
+    dstate = sum(dy[:, 0] * m for dy, m in zip(dys, mix, strict=True)) * keep[:, 0]
     dweight, dbias = (dxn * n).sum((0, 1)), dxn.sum((0, 1))
     g = dxn * weight
     dx = rstd[..., None] * (g - g.mean(-1, keepdim=True) - n * (g * n).mean(-1, keepdim=True))
@@ -49,13 +56,13 @@ def shift_bwd(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add=N
     return dx, dweight, dbias, dmix, dstate
 
 
-def _shift_fwd1(x, weight, bias, mix, state, eps):
-    ys, s_out, mean, rstd = shift_fwd(x, weight, bias, mix, state, eps)
+def _shift_fwd1(x, weight, bias, mix, state, eps, starts):
+    ys, s_out, mean, rstd = shift_fwd(x, weight, bias, mix, state, eps, starts)
     return ys[0], s_out, mean, rstd
 
 
-def _shift_bwd1(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
-    return shift_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+def _shift_bwd1(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, starts):
+    return shift_bwd([dxk], dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, starts)
 
 
 TORCH_KERNELS = Kernels(
@@ -66,18 +73,22 @@ TORCH_KERNELS = Kernels(
 )
 
 
-def test_the_shift_mix_backward_by_hand_is_autograd_s():
+@pytest.mark.parametrize("with_starts", [False, True])
+def test_the_shift_mix_backward_by_hand_is_autograd_s(with_starts):
     spec = get_op("shift_mix")
     gen = torch.Generator().manual_seed(0)
-    case = spec.cases[2]
+    case = next(c for c in spec.cases if c.starts) if with_starts else spec.cases[2]
+    starts = case.starts_mask()
     t = {n: v.requires_grad_(True) for n, v in spec.sample(case, gen).items()}
-    ys, s_out = spec.backends["reference"].fn(t["x"], t["weight"], t["bias"], t["mix"], t["state"], eps=1e-5)
+    ys, s_out = spec.backends["reference"].fn(
+        t["x"], t["weight"], t["bias"], t["mix"], t["state"], eps=1e-5, starts=starts
+    )
     dys = [torch.randn(y.shape, generator=gen, dtype=torch.float64) for y in ys]
     ds = torch.randn(s_out.shape, generator=gen, dtype=torch.float64)
     want = torch.autograd.grad([*ys, s_out], [t[n] for n in ("x", "weight", "bias", "mix", "state")], [*dys, ds])
     with torch.no_grad():
-        _, _, mean, rstd = shift_fwd(t["x"], t["weight"], t["bias"], t["mix"], t["state"], 1e-5)
-        got = shift_bwd(dys, ds, t["x"], t["weight"], t["bias"], t["mix"], t["state"], mean, rstd)
+        _, _, mean, rstd = shift_fwd(t["x"], t["weight"], t["bias"], t["mix"], t["state"], 1e-5, starts)
+        got = shift_bwd(dys, ds, t["x"], t["weight"], t["bias"], t["mix"], t["state"], mean, rstd, starts=starts)
     for name, g, w in zip(("x", "weight", "bias", "mix", "state"), got, want, strict=True):
         torch.testing.assert_close(g, w, rtol=1e-10, atol=1e-12, msg=name)
 
@@ -86,7 +97,7 @@ def test_the_channel_mix_function_passes_both_gates_over_torch_kernels():
     spec = get_op("channel_mix")
     from rwkvx_cli.ops.registry import Backend
 
-    bk = Backend("torch_kernels", channel_mix_with(TORCH_KERNELS), "the Function over torch kernels")
+    bk = Backend("torch_kernels", channel_mix_with(TORCH_KERNELS), "the Function over torch kernels", resets=True)
     for i, case in enumerate(spec.cases):
         result = gate_a(spec, bk, case, seed=i)
         assert result.passed, [(c.name, c.max_rel) for c in result.columns if not c.passed]

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._checks import check_eps, check_rows, check_state, per_channel
+from rwkvx_cli.ops._checks import check_eps, check_rows, check_starts, check_state, per_channel
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("x", "weight", "bias", "mix", "key", "value")
@@ -34,9 +34,11 @@ def channel_mix(
     state: torch.Tensor | None = None,
     *,
     eps: float = 1e-5,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """x + ffn(LayerNorm(x)); returns (y, state_out)."""
+    """x + ffn(LayerNorm(x)); returns (y, state_out). `starts` (bool [B, T]): x̂[t-1] is 0 where a
+    document starts (docs/operators.md#document-starts)."""
     check_rows("x", x, 3)
     B, T, C = x.shape
     weight, bias, mix = (per_channel(n, p, C, x.device) for n, p in (("weight", weight), ("bias", bias), ("mix", mix)))
@@ -52,10 +54,15 @@ def channel_mix(
     eps = check_eps(eps)
     if state is not None:
         check_state("state", state, (B, C), x.device)
+    starts = check_starts(starts, B, T, x.device)
     bk = resolve_backend(get_op("channel_mix"), backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of channel_mix does not support float64 inputs")
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    return bk.fn(x, weight, bias, mix, key, value, state, eps=eps)
+    if starts is None:
+        return bk.fn(x, weight, bias, mix, key, value, state, eps=eps)
+    if not bk.resets:
+        raise ValueError(f"backend {bk.name!r} of channel_mix does not reset at document starts")
+    return bk.fn(x, weight, bias, mix, key, value, state, eps=eps, starts=starts)

@@ -69,14 +69,18 @@ def _relu2_bwd_fake(da, a):
     return torch.empty_like(a, memory_format=torch.contiguous_format)
 
 
-def _shift_fwd(x, weight, bias, mix, state, eps):
-    ys, s_out, mean, rstd = shift_mix_cpu.shift_mix_cpu_fwd(x.to(weight.dtype), weight, bias, [*mix], state, eps)
+def _shift_fwd(x, weight, bias, mix, state, eps, starts):
+    ys, s_out, mean, rstd = shift_mix_cpu.shift_mix_cpu_fwd(
+        x.to(weight.dtype), weight, bias, [*mix], state, eps, starts
+    )
     return ys[0], s_out, mean, rstd
 
 
-def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
+def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, starts):
     x = x.to(weight.dtype)
-    return shift_mix_cpu.shift_mix_cpu_bwd([dxk], dstate_out, x, weight, bias, [*mix], state, mean, rstd, dx_add)
+    return shift_mix_cpu.shift_mix_cpu_bwd(
+        [dxk], dstate_out, x, weight, bias, [*mix], state, mean, rstd, dx_add, starts
+    )
 
 
 # Under bf16 autocast h and a are bf16 (the matmuls' dtype), which the kernels do not take: torch's

@@ -1,11 +1,12 @@
 """What the `cpu` and `triton` backends of channel_mix share: one autograd Function around the two
 matmuls (torch's: MKL/oneDNN on the CPU, cuBLAS on CUDA) and a backend's elementwise kernels:
 
-    shift_fwd(x, weight, bias, mix [1, C], state, eps) -> (x_k, state_out, mean, rstd)
-        (state None, only from a backend with Backend.optional_state: the zero state)
+    shift_fwd(x, weight, bias, mix [1, C], state, eps, starts) -> (x_k, state_out, mean, rstd)
+        (state None, only from a backend with Backend.optional_state: the zero state; starts
+        None or bool [B, T], the document starts)
         shift_mix's forward kernel with one lerp: x_k in the compute dtype, the LayerNorm's
         per-row mean and 1/std [B, T] kept for the backward
-    shift_bwd(dx_k, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
+    shift_bwd(dx_k, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, starts)
         -> (dx, dweight, dbias, dmix [1, C], dstate)
         its backward, with the residual's gradient dx_add added into dx; dstate_out may be None
         (the state out unused: zero)
@@ -42,7 +43,7 @@ def matmul_dtype(x: torch.Tensor) -> torch.dtype:
 
 class ChannelMix(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, mix, key, value, state, eps, kernels: Kernels):
+    def forward(ctx, x, weight, bias, mix, key, value, state, starts, eps, kernels: Kernels):
         B, T, C = x.shape
         cdt = torch.float64 if x.dtype == torch.float64 else torch.float32
         mm = matmul_dtype(x)
@@ -50,7 +51,7 @@ class ChannelMix(torch.autograd.Function):
             params = [p.detach().to(cdt).contiguous() for p in (weight, bias, mix.reshape(1, C))]
             s0 = None if state is None else state.detach().to(cdt).contiguous()  # None: zeros (a cpu kernel's)
             xd = x.detach().contiguous()
-            xk, s_out, mean, rstd = kernels.shift_fwd(xd, *params, s0, eps)
+            xk, s_out, mean, rstd = kernels.shift_fwd(xd, *params, s0, eps, starts)
             xk = xk.view(B * T, C).to(mm)
             kw, vw = key.detach().to(mm), value.detach().to(mm)
             a = kernels.relu2_fwd(xk @ kw.t())
@@ -58,7 +59,7 @@ class ChannelMix(torch.autograd.Function):
                 y = torch.addmm(xd.view(B * T, C), a, vw.t())
             else:  # the residual sum in x's dtype (fp32 under bf16 autocast), as x + ffn(...) is
                 y = xd.view(B * T, C) + a @ vw.t()
-        ctx.save_for_backward(xd, *params, s0, mean, rstd, xk, a, kw, vw)
+        ctx.save_for_backward(xd, *params, s0, starts, mean, rstd, xk, a, kw, vw)
         ctx.eps, ctx.kernels = eps, kernels
         state_dtype = None if state is None else state.dtype
         ctx.dtypes = (x.dtype, weight.dtype, bias.dtype, mix.dtype, key.dtype, value.dtype, state_dtype)
@@ -68,7 +69,7 @@ class ChannelMix(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dy, ds_out):
-        x, weight, bias, mix, s0, mean, rstd, xk, a, kw, vw = ctx.saved_tensors
+        x, weight, bias, mix, s0, starts, mean, rstd, xk, a, kw, vw = ctx.saved_tensors
         B, T, C = x.shape
         k = ctx.kernels
         cdt = weight.dtype
@@ -82,16 +83,17 @@ class ChannelMix(torch.autograd.Function):
         dkey = dh.t() @ xk
         ds_out = None if ds_out is None else ds_out.to(cdt).contiguous()
         dx, dweight, dbias, dmix, dstate = k.shift_bwd(
-            dxk, ds_out, x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C)
+            dxk, ds_out, x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C), starts
         )
         grads = (dx, dweight, dbias, dmix.view(ctx.mix_shape), dkey, dvalue, dstate)
-        return (*(None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True)), None, None)
+        grads = (None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+        return (*grads, None, None, None)
 
 
 def channel_mix_with(kernels: Kernels):
     """A channel_mix backend function over these kernels."""
 
-    def fn(x, weight, bias, mix, key, value, state, *, eps: float = 1e-5):
-        return ChannelMix.apply(x, weight, bias, mix, key, value, state, eps, kernels)
+    def fn(x, weight, bias, mix, key, value, state, *, eps: float = 1e-5, starts=None):
+        return ChannelMix.apply(x, weight, bias, mix, key, value, state, starts, eps, kernels)
 
     return fn

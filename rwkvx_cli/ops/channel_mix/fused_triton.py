@@ -57,13 +57,15 @@ def relu2_triton_bwd(da: Tensor, a: Tensor) -> Tensor:
     return dh
 
 
-def _shift_fwd(x, weight, bias, mix, state, eps):
-    (xk,), s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(x, weight, bias, [*mix], state, eps)
+def _shift_fwd(x, weight, bias, mix, state, eps, starts):
+    (xk,), s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(x, weight, bias, [*mix], state, eps, starts)
     return xk, s_out, mean, rstd
 
 
-def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add):
-    return torch.ops.rwkvx.shift_mix_triton_bwd([dxk], dstate_out, x, weight, bias, [*mix], state, mean, rstd, dx_add)
+def _shift_bwd(dxk, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, starts):
+    return torch.ops.rwkvx.shift_mix_triton_bwd(
+        [dxk], dstate_out, x, weight, bias, [*mix], state, mean, rstd, dx_add, starts
+    )
 
 
 # x_k comes back in x's dtype (the compute dtype's rounding to it is what the Function's cast to the

@@ -53,8 +53,8 @@ def _flops(dims: dict[str, int], mode: str) -> float:
     return float((per if mode == "fwd" else 3 * per) * dims["B"] * dims["T"])
 
 
-def _case(name, B, T, H, N, nonzero_state=True, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options)
+def _case(name, B, T, H, N, nonzero_state=True, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options, starts=starts)
 
 
 SPEC = register(
@@ -73,8 +73,10 @@ SPEC = register(
             _case("odd_width", 2, 6, 1, 37, F=50),
             _case("hidden_C", 2, 6, 2, 16, F=32),
             _case("one_token", 3, 1, 2, 8),
+            # Document starts at the first token, back to back, at the last token; row 1 keeps its state.
+            _case("doc_starts", 2, 9, 2, 8, starts=((0, 3, 4, 8), (5,))),
         ),
-        fd_case=_case("finite_diff", 1, 4, 1, 4),
+        fd_case=_case("finite_diff", 1, 4, 1, 4, starts=((2,),)),
         backends=block_backends(
             "channel_mix",
             channel_mix_reference,
@@ -90,6 +92,7 @@ SPEC = register(
                 fused_triton.unavailable,
             ),
             cpu_optional_state=True,
+            resets=True,
         ),
         # The weights' gradients are sums over B·T tokens of terms of both signs, so some cancel to
         # near 0, where fp32's rounding of the sum (~1e-7 of its terms' magnitude) would dominate

@@ -8,6 +8,9 @@ Per (batch, head), state S is [N_k, N_v] (row = key channel), A_t = exp(g_t):
     S_t = P + k_t u_tᵀ
     y_t = c S_tᵀ q_t          # c = 1/sqrt(N) unless given; on q only
 
+With `starts` (bool [B, T]) S_{t-1} is the zero state where it is True; every
+backend but the reference gets it as g = RESET_LOG_DECAY there (A_t = 0).
+
 gdn is kda with its gate broadcast over the key rows, so every kernel here takes
 the gate as g [B, T, H, G] with G = 1 (gdn) or G = N (kda) and the ops differ
 only in the gate's shape at their API. This package holds the kernels
@@ -22,7 +25,8 @@ import math
 
 import torch
 
-from rwkvx_cli.ops._checks import check_same_layout, check_state
+from rwkvx_cli.ops._checks import check_same_layout, check_starts, check_state
+from rwkvx_cli.ops._resets import RESET_LOG_DECAY, at_starts
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("q", "k", "v", "g", "beta")
@@ -47,7 +51,15 @@ def default_scale(N: int) -> float:
     return 1.0 / math.sqrt(N)
 
 
-def run(op: str, q, k, v, g, beta, state, scale, backend: str, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+def forget_at_starts(inputs: dict[str, torch.Tensor], starts: torch.Tensor) -> dict[str, torch.Tensor]:
+    """The inputs rewritten so that every backend's recurrence forgets its state where `starts` is
+    True: the gate A_t = e^g there is 0, so P = 0 and S_t = β_t k_t v_tᵀ (OpSpec.reset_inputs)."""
+    return {**inputs, "g": at_starts(inputs["g"], starts, RESET_LOG_DECAY)}
+
+
+def run(
+    op: str, q, k, v, g, beta, state, scale, backend: str, per_channel: bool, starts=None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Validate a public call of gdn (per_channel=False) or kda and run the chosen backend."""
     spec = get_op(op)
     check_same_layout(("q", "k", "v"), (q, k, v), ndim=4)
@@ -66,7 +78,13 @@ def run(op: str, q, k, v, g, beta, state, scale, backend: str, per_channel: bool
         scale = default_scale(N)
     elif isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale <= 0:
         raise ValueError(f"scale must be a positive finite number (default 1/sqrt(N)), got {scale!r}")
+    starts = check_starts(starts, B, T, q.device)
     bk = resolve_backend(spec, backend, q.device)
     if q.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of {spec.name} does not support float64 inputs")
-    return bk.fn(q, k, v, g, beta, state, scale=float(scale))
+    if starts is None:
+        return bk.fn(q, k, v, g, beta, state, scale=float(scale))
+    if bk.resets:
+        return bk.fn(q, k, v, g, beta, state, scale=float(scale), starts=starts)
+    x = spec.reset_inputs(dict(zip(INPUTS, (q, k, v, g, beta), strict=True)), starts)
+    return bk.fn(*(x[n] for n in INPUTS), state, scale=float(scale))

@@ -20,12 +20,16 @@ from __future__ import annotations
 import torch
 
 
-def delta_reference(q, k, v, g, beta, state, scale):
+def delta_reference(q, k, v, g, beta, state, scale, starts=None):
     """q, k, v [B, T, H, N]; g [B, T, H, G] with G = 1 (gdn) or N (kda); beta [B, T, H];
-    state [B, H, N, N]. Returns (y [B, T, H, N], S_T [B, H, N, N])."""
+    state [B, H, N, N]; starts None or bool [B, T] (the state is zero before a True).
+    Returns (y [B, T, H, N], S_T [B, H, N, N])."""
     S = state.to(q.dtype)
     ys = []
-    for q_t, k_t, v_t, g_t, beta_t in zip(*(x.unbind(1) for x in (q, k, v, g, beta)), strict=True):
+    keeps = (~starts).to(q.dtype).unbind(1) if starts is not None else (None,) * q.shape[1]
+    for q_t, k_t, v_t, g_t, beta_t, keep in zip(*(x.unbind(1) for x in (q, k, v, g, beta)), keeps, strict=True):
+        if keep is not None:
+            S = S * keep[:, None, None, None]
         P = S * torch.exp(g_t).unsqueeze(-1)  # [B, H, G, 1] scales the key rows
         m = (P * k_t.unsqueeze(-1)).sum(-2)  # Pᵀ k
         u = beta_t.unsqueeze(-1) * (v_t - m)

@@ -9,7 +9,7 @@ from collections.abc import Callable
 import torch
 
 from rwkvx_cli.ops._backends import standard_backends
-from rwkvx_cli.ops.delta import INPUTS, cpu, default_scale, fused_triton
+from rwkvx_cli.ops.delta import INPUTS, cpu, default_scale, forget_at_starts, fused_triton
 from rwkvx_cli.ops.delta.chunked import delta_chunked
 from rwkvx_cli.ops.delta.reference import delta_reference
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors
@@ -18,9 +18,9 @@ from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors
 def _backend_fn(kernel: Callable, per_channel: bool) -> Callable:
     """A registry backend over the op's own gate shape: gdn's [B, T, H] gate becomes [B, T, H, 1]."""
 
-    def fn(q, k, v, g, beta, state, scale=None):
+    def fn(q, k, v, g, beta, state, scale=None, **starts):
         gate = g if per_channel else g.unsqueeze(-1)
-        return kernel(q, k, v, gate, beta, state, default_scale(q.shape[-1]) if scale is None else scale)
+        return kernel(q, k, v, gate, beta, state, default_scale(q.shape[-1]) if scale is None else scale, **starts)
 
     fn.__name__ = f"{kernel.__name__}_{'kda' if per_channel else 'gdn'}"
     return fn
@@ -50,6 +50,7 @@ def backends(per_channel: bool) -> dict[str, Backend]:
             "a triangular solve), autograd with the intra-chunk part recomputed"
         ),
         reference=fn(delta_reference),
+        reference_resets=True,
     )
 
 
@@ -104,8 +105,8 @@ def flops(dims: dict[str, int], mode: str) -> float:
     return float(per * dims["N"] ** 2 * dims["B"] * dims["T"] * dims["H"])
 
 
-def _case(name, B, T, H, N, nonzero_state=True, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options)
+def _case(name, B, T, H, N, nonzero_state=True, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options, starts=starts)
 
 
 CASES = (
@@ -119,8 +120,12 @@ CASES = (
     # smaller q and v keep its fp32 rounding under the 1e-6 floor.
     _case("gate_near_0", 1, 16, 2, 16, gate="near0", q=12.0, scale=10.0),
     _case("gate_near_1", 1, 16, 2, 16, gate="near1", q=2.0, scale=0.35),
+    # Document starts at the first token, inside a chunk (8 steps for kda's chunked form, 16 for
+    # the Triton kernels' snapshots), on chunk edges, back to back and at the last token. Last, so
+    # the cases before keep their seeds (case i is sampled with seed 1000·S + i).
+    _case("doc_starts", 2, 37, 2, 16, starts=((0, 5, 16, 17, 36), (15, 32))),
 )
-FD_CASE = _case("finite_diff", 1, 19, 2, 4)
+FD_CASE = _case("finite_diff", 1, 19, 2, 4, starts=((7, 16),))
 BENCH_SHAPES = ({"B": 1, "T": 1024, "H": 4, "N": 64}, {"B": 8, "T": 256, "H": 4, "N": 64})
 
 
@@ -136,6 +141,7 @@ def make_spec(name: str, summary: str, fn: Callable, per_channel: bool) -> OpSpe
         cases=CASES,
         fd_case=FD_CASE,
         backends=backends(per_channel),
+        reset_inputs=forget_at_starts,
         cotangent_scales=(0.1, 0.005),
         flops=flops,
         bench_shapes=BENCH_SHAPES,

@@ -23,11 +23,13 @@ def gdn(
     state: torch.Tensor | None = None,
     *,
     scale: float | None = None,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Gated DeltaNet over q, k, v [B, T, H, N], log-gate g [B, T, H] (<= 0, finite)
     and β [B, T, H]; returns (y [B, T, H, N] in the input dtype, state_out
     [B, H, N, N], row = key channel, fp32 or fp64 for fp64 inputs). `scale`
     multiplies q (default 1/sqrt(N)). Differentiable with respect to every input,
-    the initial state, and through state_out, so segments can be chained."""
-    return run("gdn", q, k, v, g, beta, state, scale, backend, per_channel=False)
+    the initial state, and through state_out, so segments can be chained. `starts`
+    (bool [B, T]): where True, the state before that token is zero (a document starts)."""
+    return run("gdn", q, k, v, g, beta, state, scale, backend, per_channel=False, starts=starts)

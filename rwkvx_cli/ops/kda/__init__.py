@@ -24,6 +24,7 @@ def kda(
     state: torch.Tensor | None = None,
     *,
     scale: float | None = None,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Kimi Delta Attention over q, k, v [B, T, H, N], log-gate g [B, T, H, N] (<= 0,
@@ -32,4 +33,4 @@ def kda(
     fp32 or fp64 for fp64 inputs). `scale` multiplies q (default 1/sqrt(N)).
     Differentiable with respect to every input, the initial state, and through
     state_out, so segments can be chained."""
-    return run("kda", q, k, v, g, beta, state, scale, backend, per_channel=True)
+    return run("kda", q, k, v, g, beta, state, scale, backend, per_channel=True, starts=starts)

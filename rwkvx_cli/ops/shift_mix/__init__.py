@@ -14,6 +14,7 @@ floating dtype than x (fp32 parameters with bf16 activations); their gradients c
 own dtype. With `residual=True` it also returns x itself, last: the residual stream, for a block's
 output sum `x + f(y_0, ...)`, so that x has one consumer and the kernels add the residual's gradient
 into dx (one pass) where autograd would add the two gradients of a twice-used x (another).
+With `starts` (bool [B, T]), x̂[t-1] is 0 where a document starts (docs/operators.md#document-starts).
 The registry entry (backends, gradient-check sampler and cases) is spec.py.
 """
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._checks import check_eps, check_rows, check_state, per_channel
+from rwkvx_cli.ops._checks import check_eps, check_rows, check_starts, check_state, per_channel
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("x", "weight", "bias", "mix")
@@ -79,6 +80,7 @@ def shift_mix(
     *,
     eps: float = 1e-5,
     residual: bool = False,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[tuple[torch.Tensor, ...], torch.Tensor] | tuple[tuple[torch.Tensor, ...], torch.Tensor, torch.Tensor]:
     """LayerNorm(x), then its M token-shift lerps; returns ((y_0, ..., y_{M-1}), state_out), and x
@@ -91,12 +93,16 @@ def shift_mix(
     eps = check_eps(eps)
     if state is not None:
         check_state("state", state, (B, C), x.device)
+    starts = check_starts(starts, B, T, x.device)
     bk = resolve_backend(get_op("shift_mix"), backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of shift_mix does not support float64 inputs")
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    if residual:
-        return bk.fn(x, weight, bias, mix, state, eps=eps, residual=True)
-    return bk.fn(x, weight, bias, mix, state, eps=eps)
+    options = {"eps": eps, **({"residual": True} if residual else {})}
+    if starts is not None:
+        if not bk.resets:
+            raise ValueError(f"backend {bk.name!r} of shift_mix does not reset at document starts")
+        options["starts"] = starts
+    return bk.fn(x, weight, bias, mix, state, **options)

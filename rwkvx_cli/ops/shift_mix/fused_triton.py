@@ -73,6 +73,13 @@ if triton is not None:
         return p
 
     @triton.jit
+    def _starts(starts, rows, ok, HAS_STARTS: tl.constexpr):
+        """Whether each row starts a document (bool [R] `starts`; all False without)."""
+        if HAS_STARTS:
+            return tl.load(starts + rows, mask=ok, other=0).to(tl.int1)
+        return rows < 0
+
+    @triton.jit
     def _stats(x, rows, ok, C, eps, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr):
         """Mean and 1/std over C of rows of x [R, C] (masked by ok), one pass: each block's mean and
         M2, merged by Chan's pairwise update (no E[x²] - E[x]² cancellation)."""
@@ -97,16 +104,17 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        x, weight, bias, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state,
+        x, weight, bias, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state, starts,
         y0, y1, y2, y3, y4, y5, y6, y7, s_out, mean_out, rstd_out,
         R, T, C, eps,
-        M: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+        M: tl.constexpr, HAS_STARTS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         ok = rows < R
         t = rows % T
-        has_prev = ok & (t > 0)
-        first = ok & (t == 0)
+        start = _starts(starts, rows, ok, HAS_STARTS)  # x̂[t-1] = 0 there
+        has_prev = ok & (t > 0) & ~start
+        first = ok & (t == 0) & ~start
         last = ok & (t == T - 1)
         mean, rstd = _stats(x, rows, ok, C, eps, BT, BC, DT)
         pmean, prstd = _stats(x, rows - 1, has_prev, C, eps, BT, BC, DT)
@@ -126,7 +134,7 @@ if triton is not None:
             xp = tl.load(x + off - C, mask=has_prev[:, None] & mc[None, :], other=0.0).to(DT)
             xp = (xp - pmean[:, None]) * prstd[:, None] * w + b
             s0 = tl.load(state + soff, mask=first[:, None] & mc[None, :], other=0.0).to(DT)
-            dd = tl.where(first[:, None], s0, xp) - xn
+            dd = tl.where(first[:, None], s0, tl.where(start[:, None], 0.0, xp)) - xn
             for i in tl.static_range(M):
                 mx = tl.load(_pick(i, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7) + cols, mask=mc, other=0.0)
                 mx = mx.to(DT)[None, :]
@@ -137,14 +145,16 @@ if triton is not None:
     @triton.jit
     def _bwd_rows_kernel(
         dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, x, weight, mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, mean, rstd,
-        sums,
+        sums, starts,
         R, T, C,
-        M: tl.constexpr, HAS_DS: tl.constexpr, BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
+        M: tl.constexpr, HAS_DS: tl.constexpr, HAS_STARTS: tl.constexpr,
+        BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
         rows = tl.program_id(0) * BT + tl.arange(0, BT)
         ok = rows < R
         t = rows % T
         nxt = ok & (t < T - 1)
+        nxt = nxt & ~_starts(starts, rows + 1, nxt, HAS_STARTS)  # the next row's x̂[t-1] is not this row's
         last = ok & (t == T - 1)
         mu = tl.load(mean + rows, mask=ok, other=0.0)
         rs = tl.load(rstd + rows, mask=ok, other=0.0)
@@ -177,10 +187,10 @@ if triton is not None:
     @triton.jit
     def _bwd_kernel(
         dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7, ds, dx_add, x, weight, bias,
-        mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state, mean, rstd, sums,
+        mx0, mx1, mx2, mx3, mx4, mx5, mx6, mx7, state, mean, rstd, sums, starts,
         dx, dstate, dw_p, db_p, dmix_p,
         R, T, C, RP,
-        M: tl.constexpr, HAS_DS: tl.constexpr, HAS_ADD: tl.constexpr,
+        M: tl.constexpr, HAS_DS: tl.constexpr, HAS_ADD: tl.constexpr, HAS_STARTS: tl.constexpr,
         BT: tl.constexpr, BC: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
         p = tl.program_id(0)
@@ -202,8 +212,11 @@ if triton is not None:
             rows = r0 + tl.arange(0, BT)
             ok = rows < R
             t = rows % T
-            has_prev = ok & (t > 0)
+            start = _starts(starts, rows, ok, HAS_STARTS)
+            has_prev = ok & (t > 0) & ~start
             first = ok & (t == 0)
+            nxt = ok & (t < T - 1)
+            nxt = nxt & ~_starts(starts, rows + 1, nxt, HAS_STARTS)
             m = ok[:, None] & mc[None, :]
             mu = tl.load(mean + rows, mask=ok, other=0.0)[:, None]
             rs = tl.load(rstd + rows, mask=ok, other=0.0)[:, None]
@@ -216,8 +229,8 @@ if triton is not None:
             n = (tl.load(x + off, mask=m, other=0.0).to(DT) - mu) * rs
             xn = n * w + b
             xp = (tl.load(x + off - C, mask=has_prev[:, None] & mc[None, :], other=0.0).to(DT) - pmu) * prs * w + b
-            s0 = tl.load(state + soff, mask=first[:, None] & mc[None, :], other=0.0).to(DT)
-            diff = tl.where(first[:, None], s0, xp) - xn
+            s0 = tl.load(state + soff, mask=(first & ~start)[:, None] & mc[None, :], other=0.0).to(DT)
+            diff = tl.where(first[:, None], s0, tl.where(start[:, None], 0.0, xp)) - xn
             dxn = tl.zeros([BT, BC], dtype=DT)
             dst = tl.zeros([BT, BC], dtype=DT)
             for i in tl.static_range(M):
@@ -225,7 +238,7 @@ if triton is not None:
                 mx = mx.to(DT)[None, :]
                 dy = _pick(i, dy0, dy1, dy2, dy3, dy4, dy5, dy6, dy7)
                 g0 = tl.load(dy + off, mask=m, other=0.0).to(DT)
-                g1 = tl.load(dy + off + C, mask=(ok & (t < T - 1))[:, None] & mc[None, :], other=0.0).to(DT)
+                g1 = tl.load(dy + off + C, mask=nxt[:, None] & mc[None, :], other=0.0).to(DT)
                 dxn += g0 + (g1 - g0) * mx
                 dst += g0 * mx
                 c = g0 * diff
@@ -254,7 +267,7 @@ if triton is not None:
             if HAS_ADD:
                 d += tl.load(dx_add + off, mask=m, other=0.0).to(DT)
             tl.store(dx + off, d.to(dx.dtype.element_ty), mask=m)
-            tl.store(dstate + soff, dst, mask=first[:, None] & mc[None, :])
+            tl.store(dstate + soff, tl.where(start[:, None], 0.0, dst), mask=first[:, None] & mc[None, :])
         pc = p.to(tl.int64) * C + cols
         tl.store(dw_p + pc, tl.sum(acc_w, axis=0), mask=mc)
         tl.store(db_p + pc, tl.sum(acc_b, axis=0), mask=mc)
@@ -298,11 +311,12 @@ def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
 
 @triton_op("rwkvx::shift_mix_triton_fwd")
 def shift_mix_triton_fwd(
-    x: Tensor, weight: Tensor, bias: Tensor, mix: list[Tensor], state: Tensor, eps: float
+    x: Tensor, weight: Tensor, bias: Tensor, mix: list[Tensor], state: Tensor, eps: float, starts: Tensor | None = None
 ) -> tuple[list[Tensor], Tensor, Tensor, Tensor]:
     """The forward kernel: x [B, T, C], weight and bias [C], mix M lerp weights of C values each (any
-    floating dtypes), the state [B, C] in the compute dtype. Returns ([y_0 .. y_{M-1}] in x's dtype,
-    state_out [B, C], and the LayerNorm's mean and 1/std [B, T], in the compute dtype)."""
+    floating dtypes), the state [B, C] in the compute dtype, starts bool [B, T] or None. Returns
+    ([y_0 .. y_{M-1}] in x's dtype, state_out [B, C], and the LayerNorm's mean and 1/std [B, T], in
+    the compute dtype)."""
     B, T, C = x.shape
     M = len(mix)
     x, weight, bias, state = (t.contiguous() for t in (x, weight, bias, state))
@@ -312,9 +326,10 @@ def shift_mix_triton_fwd(
     ys = [torch.empty_like(x) for _ in range(M)]
     s_out = torch.empty_like(state)
     mean, rstd = (torch.empty(B, T, dtype=cdt, device=x.device) for _ in range(2))
+    flags = x if starts is None else starts.contiguous()
     wrap_triton(_fwd_kernel)[(triton.cdiv(B * T, BT),)](
-        x, weight, bias, *_slots(mix, x), state, *_slots(ys, x), s_out, mean, rstd,
-        B * T, T, C, eps, M, BT, BC, DT, num_warps=WARPS,
+        x, weight, bias, *_slots(mix, x), state, flags, *_slots(ys, x), s_out, mean, rstd,
+        B * T, T, C, eps, M, starts is not None, BT, BC, DT, num_warps=WARPS,
     )  # fmt: skip
     return ys, s_out, mean, rstd
 
@@ -331,11 +346,12 @@ def shift_mix_triton_bwd(
     mean: Tensor,
     rstd: Tensor,
     dx_add: Tensor | None,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernels: the cotangents of M outputs [B, T, C] (one dtype), with mix the M lerp
     weights of those M (C values each); the state_out cotangent [B, C] (or None); the forward's
-    inputs and statistics; dx_add [B, T, C] added into dx (or None). Returns (dx in x's dtype, then
-    dweight, dbias [C], dmix [M, C], dstate [B, C] in the compute dtype)."""
+    inputs and statistics; dx_add [B, T, C] added into dx (or None); the forward's starts. Returns
+    (dx in x's dtype, then dweight, dbias [C], dmix [M, C], dstate [B, C] in the compute dtype)."""
     B, T, C = x.shape
     M, R = len(dys), B * T
     dys = [g.contiguous() for g in dys]
@@ -353,31 +369,34 @@ def shift_mix_triton_bwd(
     dstate = empty(B, C)
     dw_p, db_p, dmix_p = empty(P, C), empty(P, C), empty(P, M, C)
     slots = _slots(dys, x)
+    flags = x if starts is None else starts.contiguous()
     wrap_triton(_bwd_rows_kernel)[(triton.cdiv(R, BT),)](
-        *slots, ds, x, weight, *_slots(mix, x), mean, rstd, sums,
-        R, T, C, M, ds_out is not None, BT, BC, DT, num_warps=WARPS,
+        *slots, ds, x, weight, *_slots(mix, x), mean, rstd, sums, flags,
+        R, T, C, M, ds_out is not None, starts is not None, BT, BC, DT, num_warps=WARPS,
     )  # fmt: skip
     wrap_triton(_bwd_kernel)[(P, NCB)](
-        *slots, ds, add, x, weight, bias, *_slots(mix, x), state, mean, rstd, sums, dx, dstate, dw_p, db_p, dmix_p,
-        R, T, C, RP, M, ds_out is not None, dx_add is not None, BT2, BC, DT, num_warps=WARPS if M <= 6 else 2 * WARPS,
+        *slots, ds, add, x, weight, bias, *_slots(mix, x), state, mean, rstd, sums, flags,
+        dx, dstate, dw_p, db_p, dmix_p,
+        R, T, C, RP, M, ds_out is not None, dx_add is not None, starts is not None, BT2, BC, DT,
+        num_warps=WARPS if M <= 6 else 2 * WARPS,
     )  # fmt: skip
     return dx, dw_p.sum(0), db_p.sum(0), dmix_p.sum(0), dstate
 
 
 class _ShiftMixTriton(torch.autograd.Function):
-    """Inputs (x, weight, bias, state, eps, residual, *mix): mix one [M, C] tensor, or M tensors of C
-    values each (the kernels take M pointers either way: no cat of the model's parameters)."""
+    """Inputs (x, weight, bias, state, starts, eps, residual, *mix): mix one [M, C] tensor, or M tensors
+    of C values each (the kernels take M pointers either way: no cat of the model's parameters)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, state, eps, residual, *mix):
+    def forward(ctx, x, weight, bias, state, starts, eps, residual, *mix):
         B, T, C = x.shape
         index_offsets(B, T, C)
         cdt, _ = compute_dtype(x.dtype)
         ins = [t.detach() for t in (x, weight, bias)]
         rows = mix_rows(mix)
         s0 = state.detach().to(cdt)
-        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, rows, s0, eps)
-        ctx.save_for_backward(*ins, s0, mean, rstd, *rows)
+        ys, s_out, mean, rstd = torch.ops.rwkvx.shift_mix_triton_fwd(*ins, rows, s0, eps, starts)
+        ctx.save_for_backward(*ins, s0, starts, mean, rstd, *rows)
         ctx.dtypes = (weight.dtype, bias.dtype, state.dtype)
         ctx.mix_like = [(m.shape, m.dtype) for m in mix]
         ctx.residual = residual
@@ -385,12 +404,12 @@ class _ShiftMixTriton(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        x, weight, bias, s0, mean, rstd, *rows = ctx.saved_tensors
+        x, weight, bias, s0, starts, mean, rstd, *rows = ctx.saved_tensors
         dres = grads[-1] if ctx.residual else None  # the residual stream's gradient: added into dx by the kernel
         *dys, ds_out = grads[:-1] if ctx.residual else grads
         kept = [i for i, g in enumerate(dys) if g is not None]  # the outputs a loss reached
         dx, dw, db, dmix_k, dstate = torch.ops.rwkvx.shift_mix_triton_bwd(
-            [dys[i] for i in kept], ds_out, x, weight, bias, [rows[i] for i in kept], s0, mean, rstd, dres
+            [dys[i] for i in kept], ds_out, x, weight, bias, [rows[i] for i in kept], s0, mean, rstd, dres, starts
         )
         if len(kept) < len(dys):
             dmix = dmix_k.new_zeros(len(dys), dmix_k.shape[1])
@@ -399,12 +418,12 @@ class _ShiftMixTriton(torch.autograd.Function):
             dmix = dmix_k
         wdt, bdt, sdt = ctx.dtypes
         dmixes = mix_grads(dmix, ctx.mix_like)
-        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dstate.to(sdt), None, None, *dmixes
+        return dx, dw.to(wdt).view_as(weight), db.to(bdt).view_as(bias), dstate.to(sdt), None, None, None, *dmixes
 
 
-def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
+def shift_mix_triton(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False, starts=None):
     mixes = (mix,) if isinstance(mix, torch.Tensor) else tuple(mix)
-    outs = _ShiftMixTriton.apply(x, weight, bias, state, eps, residual, *mixes)
+    outs = _ShiftMixTriton.apply(x, weight, bias, state, starts, eps, residual, *mixes)
     if residual:
         *ys, s_out, x_out = outs
         return tuple(ys), s_out, x_out

@@ -8,11 +8,13 @@ import torch
 import torch.nn.functional as F
 
 
-def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False):
+def shift_mix_reference(x, weight, bias, mix, state, *, eps: float = 1e-5, residual: bool = False, starts=None):
     C = x.shape[-1]
     dt = torch.float64 if x.dtype == torch.float64 else torch.float32
     xn = F.layer_norm(x.to(dt), (C,), weight.to(dt), bias.to(dt), eps)
     prev = torch.cat([state[:, None].to(dt), xn[:, :-1]], dim=1)
+    if starts is not None:  # a document's first token shifts in zeros
+        prev = prev * (~starts)[:, :, None].to(dt)
     xx = prev - xn
     mix = (mix if isinstance(mix, torch.Tensor) else torch.stack([m.reshape(C) for m in mix])).to(dt)
     outs = tuple((xn + xx * mix[m]).to(x.dtype) for m in range(mix.shape[0]))

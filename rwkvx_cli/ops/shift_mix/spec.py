@@ -43,8 +43,8 @@ def _flops(dims: dict[str, int], mode: str) -> float:
     return float(per * dims["B"] * dims["T"] * dims["H"] * dims["N"])
 
 
-def _case(name, B, T, H, N, nonzero_state=True, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options)
+def _case(name, B, T, H, N, nonzero_state=True, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options, starts=starts)
 
 
 SPEC = register(
@@ -65,11 +65,14 @@ SPEC = register(
             _case("eight_mixes", 2, 9, 1, 16, M=8),
             _case("odd_width", 2, 11, 1, 37, M=3),
             _case("one_token", 3, 1, 2, 16),
+            # Document starts at the first token, back to back, at the last token; row 1 keeps its state.
+            _case("doc_starts", 2, 13, 2, 16, M=3, starts=((0, 4, 5, 12), (7,))),
         ),
-        fd_case=_case("finite_diff", 1, 5, 1, 8, M=3),
+        fd_case=_case("finite_diff", 1, 5, 1, 8, M=3, starts=((2,),)),
         backends=block_backends(
             "shift_mix",
             shift_mix_reference,
+            resets=True,
             cpu=(
                 cpu.shift_mix_cpu,
                 "fused C++ kernel (OpenMP over row ranges, SIMD over C, one pass per tensor), LayerNorm "

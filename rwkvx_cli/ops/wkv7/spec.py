@@ -9,7 +9,7 @@ import torch
 
 from rwkvx_cli.ops._backends import backend_table, cpu_backend, reference_backend, triton_backend
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec, Tensors, register
-from rwkvx_cli.ops.wkv7 import INPUTS, chunked_triton, cpu, fused_triton, peer, wkv7
+from rwkvx_cli.ops.wkv7 import INPUTS, chunked_triton, cpu, forget_at_starts, fused_triton, peer, wkv7
 from rwkvx_cli.ops.wkv7.chunked import wkv7_chunked
 from rwkvx_cli.ops.wkv7.recurrent import wkv7_recurrent
 from rwkvx_cli.ops.wkv7.reference import wkv7_reference
@@ -64,8 +64,8 @@ def _flops(dims: dict[str, int], mode: str) -> float:
     return float(per * dims["N"] ** 2 * dims["B"] * dims["T"] * dims["H"])
 
 
-def _case(name, B, T, H, N, nonzero_state=True, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options)
+def _case(name, B, T, H, N, nonzero_state=True, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options, starts=starts)
 
 
 SPEC = register(
@@ -84,8 +84,12 @@ SPEC = register(
             _case("ragged_T", 2, 37, 2, 16),
             _case("decay_near_0", 1, 16, 2, 16, decay="near0", scale=4.0),
             _case("decay_near_1", 1, 16, 2, 16, decay="near1"),
+            # Document starts at the window's first token, inside a 16-step chunk, on chunk edges,
+            # back to back and at the last token; the second row keeps its initial state to t = 15.
+            # Last, so the cases before keep their seeds (case i is sampled with seed 1000·S + i).
+            _case("doc_starts", 2, 37, 2, 16, starts=((0, 5, 16, 17, 36), (15, 32))),
         ),
-        fd_case=_case("finite_diff", 1, 19, 2, 4),
+        fd_case=_case("finite_diff", 1, 19, 2, 4, starts=((7, 16),)),
         # The standard rows (cpu, triton, chunked, reference) and a chunked Triton form,
         # a torch step loop and a peer between them.
         backends=backend_table(
@@ -133,8 +137,9 @@ SPEC = register(
                 supports_fp64=False,
                 unavailable=peer.fla_unavailable,
             ),
-            reference_backend(wkv7_reference),
+            reference_backend(wkv7_reference, resets=True),
         ),
+        reset_inputs=forget_at_starts,
         derived={"dw_eff": _dw_eff},
         cotangent_scales=(0.2, 0.2),
         flops=_flops,

@@ -46,8 +46,8 @@ const Entry kEntries[] = {
     {"rwkv7_prep_backward", "PPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPPIIIIII"},
     {"rwkv7_out_forward", "PPPPPPPPIIIID"},
     {"rwkv7_out_backward", "PPPPPPPPPPPPPIIII"},
-    {"shift_mix_forward", "PPPPPPPPPIIIIID"},
-    {"shift_mix_backward", "PPPPPPPPPPPPPPPIIIII"},
+    {"shift_mix_forward", "PPPPPPPPPPIIIIID"},
+    {"shift_mix_backward", "PPPPPPPPPPPPPPPPIIIII"},
     {"channel_mix_forward", "PPIII"},
     {"channel_mix_backward", "PPPIII"},
 };
@@ -171,12 +171,12 @@ int main(int argc, char** argv) {
   const bool called = base.rfind("delta_", 0) == 0
                           ? call_delta<10>(fn, ptrs, ints, scale, &rc) || call_delta<14>(fn, ptrs, ints, scale, &rc)
                       : tags.back() == 'D'
-                          ? call_void_d<8, 4>(fn, ptrs, ints, scale) || call_void_d<9, 5>(fn, ptrs, ints, scale)
+                          ? call_void_d<8, 4>(fn, ptrs, ints, scale) || call_void_d<10, 5>(fn, ptrs, ints, scale)
                           : call_void<11, 6>(fn, ptrs, ints) || call_void<17, 6>(fn, ptrs, ints) ||
                                 call_void<12, 5>(fn, ptrs, ints) || call_void<18, 5>(fn, ptrs, ints) ||
                                 call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints) ||
                                 call_void<19, 5>(fn, ptrs, ints) || call_void<33, 6>(fn, ptrs, ints) ||
-                                call_void<13, 4>(fn, ptrs, ints) || call_void<15, 5>(fn, ptrs, ints) ||
+                                call_void<13, 4>(fn, ptrs, ints) || call_void<16, 5>(fn, ptrs, ints) ||
                                 call_void<2, 3>(fn, ptrs, ints) || call_void<3, 3>(fn, ptrs, ints);
   if (!called) fail("no call shape for " + symbol);
 

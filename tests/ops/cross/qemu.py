@@ -145,4 +145,6 @@ def use_cross_build(monkeypatch, build: CrossBuild) -> None:
         monkeypatch.setattr(module, "ptr", Buffer)
         if hasattr(module, "ptr_array"):
             monkeypatch.setattr(module, "ptr_array", lambda ts: [None if t is None else Buffer(t) for t in ts])
+        if hasattr(module, "optional_ptr"):
+            monkeypatch.setattr(module, "optional_ptr", lambda t: None if t is None else Buffer(t))
         monkeypatch.setattr(module, "_kernel", entry)

@@ -9,11 +9,14 @@
 // state, state_out and their gradients [B, C]; mean, rstd [B, T]. The M outputs and their
 // gradients are arrays of M pointers (a null gradient is absent: zero); a null dstate_out or
 // dx_add is zero too, and a null state is the zero state, whose gradient (dstate, null) is not
-// written.
+// written. starts [B, T] (bytes, 0 or 1; null: none) marks the rows where a document starts: their
+// x̂[t-1] is 0, whatever the row before or the state holds (docs/operators.md#document-starts).
 //
 // Forward, per row: n = (x - mean) rstd (biased variance), x̂ = n w + b,
-//   y_m = x̂ + (x̂[t-1] - x̂) mix_m   (x̂[-1] = state),  state_out = x̂[T-1]
-// Backward, per row, with S = Σ_m dy_m and P = Σ_m dy_m mix_m (P[T] = dstate_out):
+//   y_m = x̂ + (x̂[t-1] - x̂) mix_m   (x̂[-1] = state; x̂[t-1] = 0 where t starts a document),
+//   state_out = x̂[T-1]
+// Backward, per row, with S = Σ_m dy_m and P = Σ_m dy_m mix_m (P[T] = dstate_out; P[t] = 0 where
+// t starts a document: nothing of row t reaches row t-1 or the state):
 //   dx̂[t] = S[t] - P[t] + P[t+1]       dstate = P[0]       dmix_m += dy_m (x̂[t-1] - x̂)
 //   dw += dx̂ n   db += dx̂   g = dx̂ w   dx = rstd (g - mean_C(g) - n mean_C(g n)) + dx_add
 //
@@ -379,6 +382,7 @@ struct Forward {
   static constexpr int L = K::L;
 
   const F *x, *state;
+  const uint8_t* starts;  // null: no document starts
   F* const* ys;
   F* state_out;
   const double *w64, *b64, *m64;  // fp64 parameters, padded rows of Cp
@@ -431,13 +435,15 @@ struct Forward {
       }
       for (int j = 0; j < rows;) {
         const int64_t q = r + j, b = q / T, t = q % T;
-        if (!t) {
-          if (state)
+        const bool start = starts && starts[q];
+        if (!t || start) {
+          if (state && !start)
             to_double(state + b * C, C, Cp, prev);
           else
             std::fill(prev, prev + Cp, 0.0);
         }
-        const bool pair = j + 1 < rows && t + 1 < T;
+        // a pair's second row takes the first's x̂ as its x̂[t-1]: not where it starts a document
+        const bool pair = j + 1 < rows && t + 1 < T && !(starts && starts[q + 1]);
         if (pair)
           block<2, M>(q, mu + j, rs + j, prev);
         else
@@ -450,8 +456,8 @@ struct Forward {
 };
 
 template <typename F>
-void forward(const F* x, const F* weight, const F* bias, const F* const* mix, const F* state, F* const* ys, F* state_out,
-             F* mean, F* rstd, int B, int T, int C, int M, int threads, double eps) {
+void forward(const F* x, const F* weight, const F* bias, const F* const* mix, const F* state, const uint8_t* starts,
+             F* const* ys, F* state_out, F* mean, F* rstd, int B, int T, int C, int M, int threads, double eps) {
   const int64_t rows = (int64_t)B * T;
   if (rows == 0 || C == 0) return;
   const int64_t Cp = round_up(C, Lanes<F>::L);
@@ -460,7 +466,7 @@ void forward(const F* x, const F* weight, const F* bias, const F* const* mix, co
   to_double(weight, C, Cp, w64), to_double(bias, C, Cp, b64);
   for (int m = 0; m < M; m++) to_double(mix[m], C, Cp, m64 + m * Cp);
   const int nt = team(threads, rows, C);
-  const Forward<F> k{x, state, ys, state_out, w64, b64, m64, T, C, Cp, eps};
+  const Forward<F> k{x, state, starts, ys, state_out, w64, b64, m64, T, C, Cp, eps};
 #pragma omp parallel num_threads(nt)
   {
     const int i = omp_get_thread_num();
@@ -493,6 +499,7 @@ struct Backward {
 
   const F* const* dys;  // the P present gradients
   const F *dstate_out, *x, *weight, *bias, *state, *mean, *rstd, *dx_add;
+  const uint8_t* starts;  // null: no document starts
   const double* w64;  // fp64, padded
   const double* mix;  // the present lerps' mix in fp64, chunk-major
   F *dx, *dstate;
@@ -509,17 +516,20 @@ struct Backward {
   template <int P>
   void lerps(int64_t q, double* own, double* next, F* part) const {
     const int64_t b = q / T, t = q % T;
+    const bool start = starts && starts[q];  // x̂[t-1] = 0; P goes nowhere
+    const bool shifted = t && !start;         // x̂[t-1] is the row before's
     const F* xq = x + q * C;
-    const F mu = mean[q], rs = rstd[q], mu_p = t ? mean[q - 1] : 0, rs_p = t ? rstd[q - 1] : 0;
+    const F mu = mean[q], rs = rstd[q], mu_p = shifted ? mean[q - 1] : 0, rs_p = shifted ? rstd[q - 1] : 0;
     const F* dy[P ? P : 1];
     for (int p = 0; p < P; p++) dy[p] = dys[p] + q * C;
     for_vectors<L>(C, [=](int c, auto n) INLINE {
       const int64_t k = (int64_t)c * P;  // the chunk's P vectors in the chunk-major rows
       const S w = load<S>(weight + c, n), nc = (load<S>(xq + c, n) - mu) * rs;
       // x̂[t-1] - x̂ in fp32 (dmix alone reads it): the bias cancels but at t = 0, where x̂[t-1] is
-      // the state (0 in the tail lanes)
-      const S d = t ? ((load<S>(xq - C + c, n) - mu_p) * rs_p - nc) * w
-                    : (state ? load<S>(state + b * C + c, n) : S{}) - (nc * w + load<S>(bias + c, n));
+      // the state (0 in the tail lanes), and at a document start, where it is 0
+      const S d = shifted ? ((load<S>(xq - C + c, n) - mu_p) * rs_p - nc) * w
+                          : (state && !t && !start ? load<S>(state + b * C + c, n) : S{}) -
+                                (nc * w + load<S>(bias + c, n));
       W sum = {}, pm = {};
       for (int p = 0; p < P; p++) {
         const S g = load<S>(dy[p] + c, n);
@@ -529,6 +539,7 @@ struct Backward {
         store(dm, load<S>(dm) + g * d);
       }
       store(own + c, sum - pm);
+      if (start) pm = W{};
       if (t)
         store(next + c, pm);
       else if (dstate)
@@ -536,9 +547,14 @@ struct Backward {
     });
   }
 
-  // Row q's P alone: the row after a thread's range, whose P the range's last row needs.
+  // Row q's P alone: the row after a thread's range, whose P the range's last row needs (0 where
+  // row q starts a document).
   template <int P>
   void next_part(int64_t q, double* next) const {
+    if (starts && starts[q]) {
+      std::fill(next, next + round_up(C, L), 0.0);
+      return;
+    }
     for_vectors<L>(C, [=](int c, auto n) INLINE {
       W pm = {};
       for (int p = 0; p < P; p++)
@@ -617,8 +633,8 @@ struct Backward {
 
 template <typename F>
 void backward(const F* const* dys, const F* dstate_out, const F* x, const F* weight, const F* bias, const F* const* mix,
-              const F* state, const F* mean, const F* rstd, const F* dx_add, F* dx, F* dweight, F* dbias, F* dmix,
-              F* dstate, int B, int T, int C, int M, int threads) {
+              const F* state, const uint8_t* starts, const F* mean, const F* rstd, const F* dx_add, F* dx, F* dweight,
+              F* dbias, F* dmix, F* dstate, int B, int T, int C, int M, int threads) {
   typedef Backward<F> Bk;
   constexpr int L = Bk::L;
   const int64_t rows = (int64_t)B * T;
@@ -642,7 +658,8 @@ void backward(const F* const* dys, const F* dstate_out, const F* x, const F* wei
   const int nt = team(threads, rows, C);
   const int64_t dstride = PC + 2 * Cp + 5 * Cp;  // per thread: dmix, dweight, dbias sums; five rows
   std::vector<double*> sums(nt);  // each thread's dmix, dweight and dbias sums, for the reduction
-  const Bk k{dyp, dstate_out, x, weight, bias, state, mean, rstd, dx_add, w64.data(), mixc.data(), dx, dstate, T, C};
+  const Bk k{dyp,    dstate_out, x,           weight,       bias, state, mean, rstd, dx_add,
+             starts, w64.data(), mixc.data(), dx, dstate, T, C};
 #pragma omp parallel num_threads(nt)
   {
     const int i = omp_get_thread_num(), used = omp_get_num_threads();
@@ -674,16 +691,16 @@ extern "C" {
 
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                    \
   void shift_mix_forward_##SUFFIX(const F* x, const F* weight, const F* bias, const F* const* mix, const F* state,\
-                                  F* const* ys, F* state_out, F* mean, F* rstd, int B, int T, int C, int M,        \
-                                  int threads, double eps) {                                                       \
-    forward<F>(x, weight, bias, mix, state, ys, state_out, mean, rstd, B, T, C, M, threads, eps);              \
+                                  const uint8_t* starts, F* const* ys, F* state_out, F* mean, F* rstd, int B,     \
+                                  int T, int C, int M, int threads, double eps) {                                  \
+    forward<F>(x, weight, bias, mix, state, starts, ys, state_out, mean, rstd, B, T, C, M, threads, eps);      \
   }                                                                                                                \
   void shift_mix_backward_##SUFFIX(const F* const* dys, const F* dstate_out, const F* x, const F* weight,        \
-                                   const F* bias, const F* const* mix, const F* state, const F* mean, const F* rstd,\
-                                   const F* dx_add, F* dx, F* dweight, F* dbias, F* dmix, F* dstate, int B, int T, \
-                                   int C, int M, int threads) {                                                    \
-    backward<F>(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add, dx, dweight, dbias, dmix,       \
-                dstate, B, T, C, M, threads);                                                                      \
+                                   const F* bias, const F* const* mix, const F* state, const uint8_t* starts,     \
+                                   const F* mean, const F* rstd, const F* dx_add, F* dx, F* dweight, F* dbias,    \
+                                   F* dmix, F* dstate, int B, int T, int C, int M, int threads) {                 \
+    backward<F>(dys, dstate_out, x, weight, bias, mix, state, starts, mean, rstd, dx_add, dx, dweight, dbias,    \
+                dmix, dstate, B, T, C, M, threads);                                                                \
   }
 
 #ifdef RWKVX_FP32

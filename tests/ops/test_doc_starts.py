@@ -1,0 +1,138 @@
+"""Document starts (docs/operators.md#document-starts): a window of packed documents run with
+`starts` gives the outputs, final state and every gradient that the documents give run one by one,
+each from the zero state (the first from the window's initial state unless the window starts one),
+for every op that resets and every backend that runs here. fp64 to 1e-10, fp32 to 1e-5."""
+
+import pytest
+import torch
+
+from rwkvx_cli.ops import get_op, op_names
+from rwkvx_cli.ops.registry import Case, OpSpec
+
+B, T = 3, 37
+# Row 0: a start at the first token, inside a 16-step chunk, on a chunk edge, back to back, at the
+# last token. Row 1: its initial state carries to t = 15. Row 2: no start at all.
+STARTS = ((0, 5, 16, 17, 36), (15, 32), ())
+
+
+def _resetting() -> list[OpSpec]:
+    return [get_op(n) for n in op_names() if any(get_op(n).resets_with(bk) for bk in get_op(n).backends.values())]
+
+
+def _params():
+    for spec in _resetting():
+        for bk in spec.backends.values():
+            if spec.resets_with(bk) and bk.unavailable() is None and not bk.peer:
+                for dtype in (torch.float64, torch.float32):
+                    if dtype == torch.float64 and not bk.supports_fp64:
+                        continue
+                    yield pytest.param(spec.name, bk.name, dtype, id=f"{spec.name}-{bk.name}-{str(dtype)[6:]}")
+
+
+def _case(spec: OpSpec, starts=()) -> Case:
+    """The op's first case at [B, T] with two heads and a nonzero initial state."""
+    base = spec.cases[0]
+    return Case("packed", {**base.dims, "B": B, "T": T, "H": 2}, True, dict(base.options), base.absent, starts)
+
+
+def _document_case(spec: OpSpec, length: int) -> Case:
+    """One document of one row: the op's case at [1, length], no starts."""
+    base = _case(spec)
+    return Case("document", {**base.dims, "B": 1, "T": length}, True, base.options, base.absent)
+
+
+def _documents(row: int) -> list[tuple[int, int]]:
+    cuts = sorted({0, *STARTS[row], T})
+    return list(zip(cuts[:-1], cuts[1:], strict=True))
+
+
+def _slice(spec: OpSpec, tensors: dict, row: int, lo: int, hi: int) -> dict:
+    """Row `row`, times lo..hi of the sequence inputs; the states of the row (the window's initial
+    state for the first document unless it is a start, else zeros)."""
+    out = {}
+    for n, t in tensors.items():
+        if n in spec.states:
+            s = t[row : row + 1]
+            out[n] = s if lo == 0 and lo not in STARTS[row] else torch.zeros_like(s)
+        elif t.dim() >= 2 and t.shape[:2] == (B, T):
+            out[n] = t[row : row + 1, lo:hi]
+        else:
+            out[n] = t
+    return out
+
+
+@pytest.mark.parametrize(("name", "backend", "dtype"), list(_params()))
+def test_packed_documents_equal_documents_run_apart(name, backend, dtype):
+    spec = get_op(name)
+    bk = spec.backends[backend]
+    gen = torch.Generator().manual_seed(0)
+    sample = {n: t.to(dtype) for n, t in spec.sample(_case(spec), gen).items()}
+    seq = [n for n in spec.inputs if sample[n].dim() >= 2 and sample[n].shape[:2] == (B, T)]
+    with torch.no_grad():
+        y0, _ = spec.call(bk, sample, _case(spec))
+    cots = [torch.rand(y.shape, generator=gen, dtype=torch.float64).to(dtype) - 0.5 for y in y0]
+    cot_state = [
+        torch.rand(s.shape, generator=gen, dtype=torch.float64).to(dtype) - 0.5 for s in map(sample.get, spec.states)
+    ]
+
+    # Packed: one call with starts.
+    leaves = {n: t.clone().requires_grad_(True) for n, t in sample.items()}
+    y, states = spec.call(bk, leaves, _case(spec, STARTS))
+    loss = sum((o * c).sum() for o, c in zip(y, cots, strict=True))
+    loss = loss + sum((s * c).sum() for s, c in zip(states, cot_state, strict=True))
+    loss.backward()
+    packed = ([o.detach() for o in y], [s.detach() for s in states], {n: t.grad for n, t in leaves.items()})
+
+    # Apart: each document of each row on its own, no starts.
+    ys = [torch.zeros_like(o) for o in y]
+    finals = [torch.zeros_like(s) for s in states]
+    grads = {n: torch.zeros_like(t) for n, t in sample.items()}
+    for row in range(B):
+        docs = _documents(row)
+        for i, (lo, hi) in enumerate(docs):
+            piece = {n: t.clone().requires_grad_(True) for n, t in _slice(spec, sample, row, lo, hi).items()}
+            py, ps = spec.call(bk, piece, _document_case(spec, hi - lo))
+            part = sum((o * c[row : row + 1, lo:hi]).sum() for o, c in zip(py, cots, strict=True))
+            if i == len(docs) - 1:
+                part = part + sum((s * c[row : row + 1]).sum() for s, c in zip(ps, cot_state, strict=True))
+                for f, s in zip(finals, ps, strict=True):
+                    f[row : row + 1] = s.detach()
+            part.backward()
+            for o_all, o in zip(ys, py, strict=True):
+                o_all[row : row + 1, lo:hi] = o.detach()
+            for n, t in piece.items():
+                if n in seq:
+                    grads[n][row : row + 1, lo:hi] = t.grad
+                elif n in spec.states:
+                    if lo == 0 and lo not in STARTS[row]:
+                        grads[n][row : row + 1] = t.grad
+                else:
+                    grads[n] += t.grad
+    tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
+    for a, b in zip(packed[0], ys, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for a, b in zip(packed[1], finals, strict=True):
+        torch.testing.assert_close(a, b, **tol)
+    for n in grads:
+        torch.testing.assert_close(packed[2][n], grads[n], **tol, msg=lambda m, n=n: f"d{n}: {m}")
+
+
+def test_every_resetting_op_has_a_gradient_check_case_with_starts():
+    """gradcheck (both gates) and the cases iterate document starts like any other option."""
+    for spec in _resetting():
+        assert any(c.starts for c in spec.cases), spec.name
+        assert spec.fd_case.starts, spec.name
+
+
+@pytest.mark.parametrize("bad", ["float", "shape", "list"])
+def test_bad_starts_are_one_line_errors(bad):
+    from rwkvx_cli.ops import wkv7
+
+    x = torch.zeros(1, 4, 1, 2)
+    starts = {
+        "float": torch.zeros(1, 4),
+        "shape": torch.zeros(1, 5, dtype=torch.bool),
+        "list": [True, False, False, False],
+    }[bad]
+    with pytest.raises(ValueError, match="starts"):
+        wkv7(x, x, x, x, x, x, starts=starts)
