@@ -230,6 +230,14 @@ OpNames = Annotated[Names, typer.Option("--op", help="Op to bench; repeatable. D
 Backends = Annotated[Names, typer.Option("--backend", help="Backend; repeatable. Default: production + baseline.")]
 Shapes = Annotated[Names, typer.Option("--shape", help="B,T,H,N; repeatable. Default: the op's set.")]
 Modes = Annotated[list[BenchMode] | None, typer.Option("--mode", help="Repeatable (default fwdbwd).")]
+StartsEvery = Annotated[
+    int,
+    typer.Option(
+        "--starts-every",
+        min=0,
+        help="Also time each row with a document start every K tokens (the ops that take starts).",
+    ),
+]
 Baseline = Annotated[str, typer.Option(help="Backend the speedup column divides by.")]
 # bench --model CFG: training steps of a config
 ModelCfg = Annotated[Path | None, typer.Option("--model", help="Bench training steps of this config instead.")]
@@ -248,6 +256,7 @@ def bench(
     shape: Shapes = None,
     dtype: BenchDtype = BenchDtype["fp32"],
     mode: Modes = None,
+    starts_every: StartsEvery = 0,
     baseline: Baseline = "reference",
     device: BenchDevice = BenchDevice["auto"],
     model: ModelCfg = None,
@@ -263,7 +272,14 @@ def bench(
     from rwkvx_cli.render import bench_status, render_bench, render_model_bench
     from rwkvx_cli.runs.runtime import resolve_device
 
-    flags = (("--set", override), ("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked), ("--vs-unfused", vs_unfused))
+    flags = (
+        ("--set", override),
+        ("--vs-gpt", vs_gpt),
+        ("--vs-unchunked", vs_unchunked),
+        ("--vs-unfused", vs_unfused),
+    )
+    if model is not None and starts_every:
+        raise UsageError("--starts-every times ops; it does not go with --model")
     given = [flag for flag, on in flags if on]
     if model is None and given:
         raise UsageError(f"{given[0]} goes with --model CFG")
@@ -284,7 +300,9 @@ def bench(
     specs, shapes = plan_bench(op, backend, shape, dtype.value, baseline, dev)
     modes = [m.value for m in mode or [BenchMode["fwdbwd"]]]
     with bench_status() as on_row:
-        report = run_bench(specs, backend, shapes, dtype.value, modes, baseline, dev, on_row=on_row)
+        report = run_bench(
+            specs, backend, shapes, dtype.value, modes, baseline, dev, on_row=on_row, starts_every=starts_every
+        )
     render_bench(report, baseline)
     write_json(json_path, report.to_dict(), force=force)
 

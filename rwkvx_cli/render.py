@@ -631,6 +631,8 @@ def render_bench(report, baseline: str) -> None:
         table.add_column(head, justify="right", no_wrap=True)
     for r in report.rows:
         shape = "×".join(str(r.dims[d]) for d in "BTHN")
+        if r.dims.get("starts_every"):  # a document start every K tokens
+            shape += f" ·doc {r.dims['starts_every']}"
         if r.error:
             table.add_row(r.op, r.backend, shape, r.dtype, r.mode, f"[dim]{r.error}[/]", *[""] * 7)
             continue

@@ -83,7 +83,10 @@ def bench_op(
     spec: OpSpec, bk: Backend, dims: dict[str, int], dtype: str, mode: str, device: torch.device, peak: float, seed=0
 ) -> BenchRow:
     shape = {d: dims[d] for d in "BTHN"}
-    case = Case("bench", shape, nonzero_state=True, options={k: v for k, v in dims.items() if k not in shape})
+    every = dims.get("starts_every", 0)  # a document start every that many tokens, from t = 0 (0: none)
+    starts = (tuple(range(0, shape["T"], every)),) if every else ()
+    options = {k: v for k, v in dims.items() if k not in shape and k != "starts_every"}
+    case = Case("bench", shape, nonzero_state=True, options=options, starts=starts)
     tensors = {
         n: t.to(device=device, dtype=DTYPES[dtype])
         for n, t in spec.sample(case, torch.Generator().manual_seed(seed)).items()
@@ -151,7 +154,11 @@ def run_bench(
     baseline: str,
     device: torch.device,
     on_row: Callable[[str], None] | None = None,
+    starts_every: int = 0,
 ) -> BenchReport:
+    """Every op, backend, shape and mode; with `starts_every` each row twice, the second with a
+    document start every that many tokens (docs/operators.md#document-starts), for the ops that
+    take them (the others' second row says so)."""
     mm_dtype = torch.float32 if dtype in ("fp32", "fp64") else DTYPES[dtype]
     if device.type == "cpu":
         keep_freed_memory()  # as training does (runs/runtime.py): no page faults per call for any backend
@@ -168,8 +175,10 @@ def run_bench(
         names = backends or [bk.name for bk in spec.production_backends()] + peers + [baseline]
         chosen = [spec.backends[n] for n in dict.fromkeys(names) if n in spec.backends]
         for shape in shapes or spec.bench_shapes:
-            dims = {**spec.bench_options, **shape}
-            for mode in modes:
+            variants = [{**spec.bench_options, **shape}]
+            if starts_every:
+                variants.append({**variants[0], "starts_every": starts_every})
+            for dims, mode in ((d, m) for d in variants for m in modes):
                 rows = []
                 for bk in chosen:
                     if on_row:
@@ -177,6 +186,8 @@ def run_bench(
                     reason = bk.unavailable() if device.type in bk.devices else f"does not run on {device.type}"
                     if reason is None and dtype == "fp64" and not bk.supports_fp64:
                         reason = "no fp64 support"
+                    if reason is None and dims.get("starts_every") and not spec.resets_with(bk):
+                        reason = "does not reset at document starts"
                     if reason is not None:
                         rows.append(_skipped(spec, bk, dims, dtype, mode, reason))
                         continue

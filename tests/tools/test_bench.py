@@ -47,6 +47,19 @@ def test_bench_every_op_writes_json(tmp_path):
     assert all(r["memory_mb"] > 0 for r in fwdbwd)
 
 
+def test_bench_times_document_starts_beside_each_row(tmp_path):
+    path = tmp_path / "bench.json"
+    args = ["bench", "--op", "wkv7", "--op", "wkv4", "--backend", "cpu", "--baseline", "cpu", "--shape", "1,40,2,16"]
+    result = runner.invoke(app, [*args, "--starts-every", "8", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    rows = {(r["op"], r["dims"].get("starts_every", 0)): r for r in json.loads(path.read_text())["rows"]}
+    assert set(rows) == {("wkv7", 0), ("wkv7", 8), ("wkv4", 0), ("wkv4", 8)}
+    assert rows[("wkv7", 8)]["error"] is None and rows[("wkv7", 8)]["median_ms"] > 0
+    assert rows[("wkv4", 8)]["error"] == "does not reset at document starts"
+    assert rows[("wkv4", 0)]["error"] is None
+    assert "·doc 8" in result.output
+
+
 def test_bench_usage_errors():
     for args, message in (
         (["--shape", "1,2,3"], "must be B,T,H,N"),
@@ -54,6 +67,8 @@ def test_bench_usage_errors():
         (["--mode", "both"], "'--mode': 'both' is not one of 'fwd', 'fwdbwd'"),
         (["--dtype", "int8"], "'--dtype': 'int8' is not one of 'fp32', 'bf16', 'fp64'"),
         (["--op", "wkv7", "--backend", "magic"], "unknown backend 'magic'"),
+        (["--starts-every", "-1"], "--starts-every"),
+        (["--model", "configs/tiny.yaml", "--starts-every", "8"], "does not go with --model"),
     ):
         result = runner.invoke(app, ["bench", *args])
         assert result.exit_code == 2, (args, result.output)
