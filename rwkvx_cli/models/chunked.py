@@ -39,29 +39,33 @@ def chunk_bounds(T: int, chunk_len: int) -> list[tuple[int, int]]:
     return [(lo, min(lo + chunk_len, T)) for lo in range(0, T, chunk_len)]
 
 
-def chunked_loss(model, idx, targets, state=None, *, chunk_len: int, head: str = "chunked", l2wrap: bool = False):
+def chunked_loss(
+    model, idx, targets, state=None, *, chunk_len: int, head: str = "chunked", l2wrap: bool = False, starts=None
+):
     """The mean loss of the window `idx` [B, T] against `targets` [B, T], from `state` (None: zeros),
     and the state after it, in chunks of `chunk_len` tokens (see the module docstring). `model` is
-    the LM itself (models/model.py), `head` train.head, `l2wrap` whether L2Wrap applies."""
+    the LM itself (models/model.py), `head` train.head, `l2wrap` whether L2Wrap applies, `starts`
+    the window's document starts (bool [B, T] or None), each chunk given its own slice."""
     T = idx.shape[1]
     recompute = torch.is_grad_enabled()
     total = None
     for lo, hi in chunk_bounds(T, chunk_len):
         args = (model, idx[:, lo:hi], targets[:, lo:hi], state, head, l2wrap)
+        piece = None if starts is None else starts[:, lo:hi]
         if recompute:
             slot = RecomputeSlot() if head == "chunked" else None
             loss, state = checkpoint(
-                _chunk, *args, slot, use_reentrant=False, preserve_rng_state=False, determinism_check="none"
+                _chunk, *args, slot, piece, use_reentrant=False, preserve_rng_state=False, determinism_check="none"
             )
         else:
-            loss, state = _chunk(*args, None)
+            loss, state = _chunk(*args, None, piece)
         part = loss * ((hi - lo) / T)
         total = part if total is None else total + part
     return total, state
 
 
-def _chunk(model, x, y, state, head: str, l2wrap: bool, slot: RecomputeSlot | None):
-    h, new_state = model.hidden(x, state)
+def _chunk(model, x, y, state, head: str, l2wrap: bool, slot: RecomputeSlot | None, starts=None):
+    h, new_state = model.hidden(x, state, starts)
     return head_loss(h, model.head, y, head, l2wrap, slot), compact(new_state)
 
 

@@ -73,28 +73,30 @@ class Block(nn.Module):
             return None
         return {**att, "ffn_shift": torch.zeros(B, self.ln2.normalized_shape[0], device=device)}
 
-    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN):
+    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
         """`graph`: PLAIN, or LRP's modified graph (explain/), for which the residual adds are sums
         and the norms take LayerNorm's rule. With `fused` (model.fused) and the plain graph, the
-        same block through the fused block ops (`_fused`)."""
+        same block through the fused block ops (`_fused`). `starts` (bool [B, T]): document starts,
+        where every token shift and recurrence begins from zeros (docs/operators.md#document-starts)."""
         if hasattr(self, "ln0"):
             x = graph.layer_norm(self.ln0, x)
         if self.fused and graph is PLAIN:
-            return self._fused(x, v_first, state)
-        att, v_first, att_state = self.att(graph.layer_norm(self.ln1, x), v_first, state, graph)
+            return self._fused(x, v_first, state, starts)
+        att, v_first, att_state = self.att(graph.layer_norm(self.ln1, x), v_first, state, graph, starts)
         x = graph.sum(x + att)
-        ffn, ffn_shift = self.ffn(graph.layer_norm(self.ln2, x), state.get("ffn_shift") if state else None, graph)
+        shift = state.get("ffn_shift") if state else None
+        ffn, ffn_shift = self.ffn(graph.layer_norm(self.ln2, x), shift, graph, starts)
         return graph.sum(x + ffn), v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
 
-    def _fused(self, x, v_first, state: State | None):
+    def _fused(self, x, v_first, state: State | None, starts=None):
         """A time mix with a fused form (RWKV-7's) takes ln1 and the residual sum into it; every
         kind's channel mix runs as the channel_mix op, ln2 and the residual sum included."""
         if hasattr(self.att, "fused_forward"):
-            x, v_first, att_state = self.att.fused_forward(x, self.ln1, v_first, state)
+            x, v_first, att_state = self.att.fused_forward(x, self.ln1, v_first, state, starts)
         else:
-            att, v_first, att_state = self.att(self.ln1(x), v_first, state)
+            att, v_first, att_state = self.att(self.ln1(x), v_first, state, starts=starts)
             x = x + att
-        x, ffn_shift = self.ffn.fused_forward(x, self.ln2, state.get("ffn_shift") if state else None)
+        x, ffn_shift = self.ffn.fused_forward(x, self.ln2, state.get("ffn_shift") if state else None, starts)
         return x, v_first, None if att_state is None else {**att_state, "ffn_shift": ffn_shift}
 
     @torch.no_grad()
@@ -147,23 +149,28 @@ class LM(nn.Module):
         *,
         head: str = "chunked",
         chunk_len: int = 0,
+        starts: torch.Tensor | None = None,
     ):
         """Logits [B, T, V] and the state after the last token (for TBPTT / generation); with
         `targets`, the mean cross-entropy instead of the logits, computed in chunks of rows so that
         the [B, T, V] fp32 logits never exist whole (models/losses.py), with RWKV-LM's L2Wrap
         gradient when `l2wrap`. With `targets` and `chunk_len`: chunked full BPTT over chunks of
-        that many tokens (models/chunked.py), with the loss head `head` (train.head)."""
+        that many tokens (models/chunked.py), with the loss head `head` (train.head). `starts`
+        (bool [B, T]): where a document starts, every layer's state is the zero state
+        (docs/operators.md#document-starts)."""
         if targets is not None and chunk_len:
-            return chunked_loss(self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap)
-        x, new_state = self.hidden(idx, state)
+            return chunked_loss(
+                self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap, starts=starts
+            )
+        x, new_state = self.hidden(idx, state, starts)
         if targets is None:
             return self.head(x), new_state
         return linear_cross_entropy(x, self.head.weight, targets, l2wrap=l2wrap), new_state
 
-    def hidden(self, idx: torch.Tensor, state: list | None = None):
+    def hidden(self, idx: torch.Tensor, state: list | None = None, starts: torch.Tensor | None = None):
         """The normalised hidden states [B, T, C] that the head reads, and the new state. With
         `grad_checkpointing` on, each block's activations are recomputed in the backward pass
-        instead of kept (torch.utils.checkpoint, non-reentrant)."""
+        instead of kept (torch.utils.checkpoint, non-reentrant). `starts`: as in `forward`."""
         x = self.emb(idx)
         v_first = None
         new_state = []
@@ -171,9 +178,9 @@ class LM(nn.Module):
         for i, blk in enumerate(self.blocks):
             s = state[i] if state is not None else None
             if recompute:
-                x, v_first, s = checkpoint(blk, x, v_first, s, use_reentrant=False)
+                x, v_first, s = checkpoint(blk, x, v_first, s, PLAIN, starts, use_reentrant=False)
             else:
-                x, v_first, s = blk(x, v_first, s)
+                x, v_first, s = blk(x, v_first, s, starts=starts)
             new_state.append(s)
         return self.ln_out(x), new_state
 

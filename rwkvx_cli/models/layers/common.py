@@ -21,10 +21,20 @@ def upcast(x: torch.Tensor) -> torch.Tensor:
     return x if x.dtype in (torch.float32, torch.float64) else x.float()
 
 
-def shifted(x: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
-    """x_{t-1} for every t, with x_{-1} = prev (zeros when None)."""
+def shifted(x: torch.Tensor, prev: torch.Tensor | None, starts: torch.Tensor | None = None) -> torch.Tensor:
+    """x_{t-1} for every t, with x_{-1} = prev (zeros when None), and zeros where `starts` (bool
+    [B, T]) marks a document's first token."""
     first = torch.zeros_like(x[:, :1]) if prev is None else prev[:, None].to(x.dtype)
-    return torch.cat([first, x[:, :-1]], dim=1)
+    out = torch.cat([first, x[:, :-1]], dim=1)
+    return out if starts is None else out.masked_fill(starts[..., None], 0.0)
+
+
+def refuse_starts(kind: str, starts: torch.Tensor | None) -> None:
+    """A layer kind whose ops do not take document starts yet: a one-line error when given some."""
+    if starts is not None:
+        raise ValueError(
+            f"layer kind {kind!r} does not reset at document starts yet (docs/operators.md#document-starts)"
+        )
 
 
 class _ReluSquare(torch.autograd.Function):
@@ -122,19 +132,20 @@ class ChannelMix(nn.Module):
         self.value = nn.Linear(4 * C, C, bias=False)
 
     def forward(
-        self, x: torch.Tensor, shift: torch.Tensor | None = None, graph: Graph = PLAIN
+        self, x: torch.Tensor, shift: torch.Tensor | None = None, graph: Graph = PLAIN, starts=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         # LRP's rule (docs/explain.md#channel-mix): the token shift is the weighted sum
         # (1 - x_k) x_t + x_k x_{t-1}; key and value are linear; relu² passes its relevance whole to z.
-        k = graph.sum(x + (shifted(x, shift) - x) * self.x_k)
+        k = graph.sum(x + (shifted(x, shift, starts) - x) * self.x_k)
         return graph.sum(self.value(graph.relu_square(graph.sum(self.key(k))))), x[:, -1]
 
     def fused_forward(
-        self, x: torch.Tensor, ln: nn.LayerNorm, shift: torch.Tensor | None = None
+        self, x: torch.Tensor, ln: nn.LayerNorm, shift: torch.Tensor | None = None, starts=None
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """x + forward(ln(x)) in one op (ops/channel_mix): x is the residual stream before `ln`;
         returns it with the channel mix added, and the token-shift state."""
-        return channel_mix(x, ln.weight, ln.bias, self.x_k, self.key.weight, self.value.weight, shift, eps=ln.eps)
+        w = (self.x_k, self.key.weight, self.value.weight)
+        return channel_mix(x, ln.weight, ln.bias, *w, shift, eps=ln.eps, starts=starts)
 
     @torch.no_grad()
     def reset_parameters(self, gen: torch.Generator, layer: int, n_layer: int) -> None:
@@ -158,13 +169,30 @@ class ShortConv(nn.Module):
         self.kernel = kernel
         self.weight = nn.Parameter(torch.zeros(channels, 1, kernel))
 
-    def forward(self, x: torch.Tensor, prev: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    def forward(
+        self, x: torch.Tensor, prev: torch.Tensor | None, starts: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """With `starts` (bool [B, T]), a token reads no input from before its document's start: the
+        window taps that reach across one read zeros, and so does the carried state's."""
         B, T, Cc = x.shape
+        K = self.kernel
         if prev is None:
-            prev = x.new_zeros(B, self.kernel - 1, Cc)
+            prev = x.new_zeros(B, K - 1, Cc)
         xs = torch.cat([prev.to(x.dtype), x], dim=1)  # [B, K-1+T, Cc]
-        y = F.conv1d(xs.transpose(1, 2), self.weight.to(x.dtype), groups=Cc).transpose(1, 2)
-        return F.silu(y), xs[:, -(self.kernel - 1) :]
+        if starts is None:
+            y = F.conv1d(xs.transpose(1, 2), self.weight.to(x.dtype), groups=Cc).transpose(1, 2)
+            return F.silu(y), xs[:, -(K - 1) :]
+        # doc[b, j]: how many starts lie at or before position j of xs (the K-1 carried inputs first):
+        # tap i of token t (input t - i) is read when no start lies in (t - i, t], i.e. doc equal
+        pad = torch.zeros(B, K - 1, dtype=torch.long, device=x.device)
+        doc = torch.cat([pad, starts.long().cumsum(1)], dim=1)  # [B, K-1+T]
+        w = self.weight.to(x.dtype)[:, 0]  # [Cc, K]: tap K-1 reads input t, tap K-1-i input t-i
+        y = xs[:, K - 1 :] * w[:, K - 1]
+        for i in range(1, K):
+            same = (doc[:, K - 1 - i : K - 1 - i + T] == doc[:, K - 1 :])[..., None]
+            y = y + xs[:, K - 1 - i : K - 1 - i + T] * same * w[:, K - 1 - i]
+        tail = (doc[:, -(K - 1) :] == doc[:, -1:])[..., None]  # carried inputs of the last document only
+        return F.silu(y), xs[:, -(K - 1) :] * tail
 
     def reset_parameters(self, gen: torch.Generator) -> None:
         bound = 1 / math.sqrt(self.kernel)  # torch's Conv1d default for a depthwise kernel

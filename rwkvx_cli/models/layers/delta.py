@@ -53,11 +53,13 @@ class DeltaMix(nn.Module):
             "S": torch.zeros(B, H, N, N, device=device),
         }
 
-    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN):
+    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
+        """`starts` (bool [B, T]): document starts, where the short convolution and the recurrence
+        begin from zeros."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         qkv, conv_state = self.conv(
-            torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state["conv"] if state else None
+            torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1), state["conv"] if state else None, starts
         )
         q, k, v = (t.reshape(B, T, H, N) for t in qkv.split(C, dim=-1))
         q, k, v = F.normalize(upcast(q), dim=-1), F.normalize(upcast(k), dim=-1), upcast(v)
@@ -67,11 +69,11 @@ class DeltaMix(nn.Module):
         if self.per_channel:
             g = (A.repeat_interleave(N) * F.softplus(upcast(self.f_b(self.f_a(x))) + self.dt_bias)).view(B, T, H, N)
             gate = torch.sigmoid(self.g_b(self.g_a(x)))
-            o, S = kda(q, k, v, g, beta, S0)
+            o, S = kda(q, k, v, g, beta, S0, starts=starts)
         else:
             g = A * F.softplus(upcast(self.a_proj(x)) + self.dt_bias)
             gate = F.silu(self.g_proj(x))
-            o, S = gdn(q, k, v, g, beta, S0)
+            o, S = gdn(q, k, v, g, beta, S0, starts=starts)
         o = self.o_norm(o.to(x.dtype), gate.view(B, T, H, N))
         return self.o_proj(o.reshape(B, T, C)), v_first, {"conv": conv_state, "S": S}
 

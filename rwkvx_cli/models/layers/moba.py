@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, orthogonal_
+from rwkvx_cli.models.layers.common import PLAIN, Graph, orthogonal_, refuse_starts
 from rwkvx_cli.ops.moba import moba
 
 
@@ -39,7 +39,8 @@ class MobaAttention(nn.Module):
     def empty_state(self, B: int, device) -> None:
         return None
 
-    def forward(self, x, v_first, state=None, graph: Graph = PLAIN):
+    def forward(self, x, v_first, state=None, graph: Graph = PLAIN, starts=None):
+        refuse_starts("moba", starts)
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.head_size) for p in (self.receptance, self.key, self.value))
         k_parts, v_parts = (state["k"], state["v"]) if state and "k" in state else ((), ())

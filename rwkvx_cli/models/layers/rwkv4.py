@@ -15,6 +15,7 @@ from rwkvx_cli.models.layers.common import (
     add_linear,
     depth_ratios,
     orthogonal_scaled_,
+    refuse_starts,
     shifted,
     upcast,
 )
@@ -58,10 +59,11 @@ class RWKV4TimeMix(nn.Module):
             "pp": torch.full((B, H, N), -1e38, device=device),
         }
 
-    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN):
+    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
         """`graph`: PLAIN, or LRP's modified graph (explain/graph.py), for which the receptance gate r
         and the key k (the WKV weights) are constants, so relevance reaches x through the value alone
         (docs/explain.md#rwkv-4-time-mix)."""
+        refuse_starts("rwkv4", starts)
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         xx = shifted(x, state["shift"] if state else None)
@@ -76,11 +78,12 @@ class RWKV4TimeMix(nn.Module):
         out = graph.sum(self.output(r * y.reshape(B, T, C).to(r.dtype)))
         return out, v_first, {"shift": x[:, -1], "aa": aa, "bb": bb, "pp": pp}
 
-    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
+    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None, starts=None):
         """x + forward(ln(x)) with ln and the three token-shift mixes as one shift_mix (RWKV-4's
         x·m + x_{t-1}·(1 - m) is shift_mix's lerp with weight 1 - m), which also passes the residual
         stream on (its gradient summed in the kernel), and the output projection summed into the
         residual in one addmm."""
+        refuse_starts("rwkv4", starts)
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         mix = 1 - torch.cat([self.time_mix_k, self.time_mix_v, self.time_mix_r], dim=1).view(3, C)

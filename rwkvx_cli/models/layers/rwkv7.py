@@ -86,15 +86,16 @@ class RWKV7TimeMix(nn.Module):
         C, H, N = self.x_r.shape[-1], self.n_head, self.head_size
         return {"att_shift": torch.zeros(B, C, device=device), "wkv": torch.zeros(B, H, N, N, device=device)}
 
-    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN):
+    def forward(self, x, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
         """`graph`: PLAIN, or LRP's modified graph (explain/graph.py), for which r, w, k, a, the
         in-context learning rate's kk, the value-residual gate, the output gate g, and ln_x's
         normaliser are constants, so relevance reaches x through the value alone
-        (docs/explain.md#rwkv-7-time-mix)."""
+        (docs/explain.md#rwkv-7-time-mix). `starts` (bool [B, T]): document starts, where the token
+        shift and the recurrence begin from zeros."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         s = state or {}
-        xx = shifted(x, s.get("att_shift")) - x
+        xx = shifted(x, s.get("att_shift"), starts) - x
         xr, xw, xk, xa, xg = (x + xx * m for m in (self.x_r, self.x_w, self.x_k, self.x_a, self.x_g))
         xv = graph.sum(x + xx * self.x_v)
         r = graph.const(self.receptance(xr))
@@ -118,13 +119,13 @@ class RWKV7TimeMix(nn.Module):
         # parameters in: the op takes one dtype, the activations' (RWKV-LM casts all six to bf16);
         # its state and accumulation stay fp32. A no-op in fp32.
         ins = (heads(t).to(r.dtype) for t in (r, w, k, v, -kk, kk * a))
-        y, wkv = graph.op(wkv7)(*ins, state=s.get("wkv"))
+        y, wkv = graph.op(wkv7)(*ins, state=s.get("wkv"), **({} if starts is None else {"starts": starts}))
         y = graph.group_norm(self.ln_x, y.reshape(B * T, C)).view(B, T, C)
         bonus = graph.const((heads(r) * heads(k) * self.r_k).sum(dim=-1, keepdim=True))
         y = graph.sum(y + (bonus * heads(v)).view(B, T, C))
         return graph.sum(self.output(y * g)), v_first, {"att_shift": x[:, -1], "wkv": wkv}
 
-    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None):
+    def fused_forward(self, x: torch.Tensor, ln: nn.LayerNorm, v_first, state: State | None = None, starts=None):
         """x + forward(ln(x)), the same math through the fused block ops (docs/model.md#fused-blocks):
         shift_mix (ln and the six lerps; it passes the residual stream on, so that its gradient is
         summed in the kernel), the matmuls, rwkv7_prep, wkv7, rwkv7_out, the output projection with
@@ -134,7 +135,7 @@ class RWKV7TimeMix(nn.Module):
         s = state or {}
         mix = [getattr(self, name) for name in MIXES]  # as they are: the kernels take six pointers
         (xr, xw, xk, xv, xa, xg), att_shift, x = shift_mix(
-            x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps, residual=True
+            x, ln.weight, ln.bias, mix, s.get("att_shift"), eps=ln.eps, residual=True, starts=starts
         )
         r, k, v = self.receptance(xr), self.key(xk), self.value(xv)
         w_lora = torch.tanh(xw @ self.w1) @ self.w2
@@ -152,7 +153,7 @@ class RWKV7TimeMix(nn.Module):
         )  # fmt: skip
         if first:
             v_first = v
-        y, wkv = wkv7(r, w, k, v_mixed, a, b, state=s.get("wkv"))
+        y, wkv = wkv7(r, w, k, v_mixed, a, b, state=s.get("wkv"), starts=starts)
         out = rwkv7_out(y, bonus, heads(g), self.ln_x.weight, self.ln_x.bias, eps=self.ln_x.eps)
         return add_linear(x, out.view(B, T, C), self.output), v_first, {"att_shift": att_shift, "wkv": wkv}
 

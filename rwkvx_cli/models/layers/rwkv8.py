@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_scaled_, upcast
+from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_scaled_, refuse_starts, upcast
 from rwkvx_cli.ops import rwkv8
 
 
@@ -44,7 +44,8 @@ class RWKV8Mix(nn.Module):
         H, L = self.n_head, self.head_size
         return {"rho": torch.zeros(B, H, L, self.E, device=device), "rho_norm": torch.zeros(B, H, L, device=device)}
 
-    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN):
+    def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
+        refuse_starts("rwkv8", starts)
         B, T, C = x.shape
         H, L = self.n_head, self.head_size
         q = upcast(torch.relu(self.query(x)).view(B, T, H, L))
