@@ -23,6 +23,13 @@ Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's prog
 
 
 @torch.no_grad()
+def document_starts(idx: torch.Tensor, eod_id: int) -> torch.Tensor:
+    """Where documents start in a window of token ids (data.reset_at_eod): at each end-of-document
+    token, which ends the document before it in the data and begins the next one in the model, as a
+    start-of-document token would (its own prediction is the next document's first token)."""
+    return idx == eod_id
+
+
 def evaluate(
     model: LM,
     tokens,
@@ -32,11 +39,13 @@ def evaluate(
     tokenizer,
     runtime: Runtime,
     on_progress: Progress | None = None,
+    reset_at_eod: bool = False,
 ) -> dict:
     """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
     bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
     on `runtime`'s device under its precision, as training does. `on_progress("validation", done,
-    total)` after each batch: the tokens predicted of those it will predict."""
+    total)` after each batch: the tokens predicted of those it will predict. `reset_at_eod`: each
+    document starts from a zero state (data.reset_at_eod), as the run trained."""
     model.eval()
     total, count = 0.0, 0
     planned = max(0, min(max_tokens, len(tokens) - 1))  # about: the last batch may go past max_tokens
@@ -47,8 +56,9 @@ def evaluate(
     def flush():
         nonlocal total, count
         x, y = torch.stack(xs).to(runtime.device), torch.stack(ys).to(runtime.device)
+        starts = document_starts(x, tokenizer.eod_id) if reset_at_eod else None
         with runtime.autocast():
-            loss, _ = model.loss(x, y)
+            loss, _ = model.loss(x, y, starts=starts)
         total += loss.item() * y.numel()
         count += y.numel()
         xs.clear()
@@ -94,7 +104,8 @@ def eval_checkpoint(
 ) -> dict:
     """`rwkvx eval`: the validation figures of a checkpoint (a checkpoint dir, or a run dir: its
     newest good one) on its run's validation split (or `data_dir`'s), under the run's train.precision
-    (fp32 where this device cannot run it); with `prompt`, also a sampled continuation. `on_progress`:
+    (fp32 where this device cannot run it) and data.reset_at_eod; with `prompt`, also a sampled
+    continuation. `on_progress`:
     see `evaluate`; then ("generating", done, n_tokens), in "tokens" as all of them."""
     if prompt is not None:
         try:
@@ -106,7 +117,7 @@ def eval_checkpoint(
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
     start = time.perf_counter()
     figures = (t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
-    ev = evaluate(opened.model, val.tokens, *figures, on_progress=on_progress)
+    ev = evaluate(opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod)
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = opened.step
     ev["checkpoint"] = str(opened.checkpoint.path)
@@ -119,6 +130,9 @@ def eval_checkpoint(
                 on_progress("generating", done, n_tokens)
 
             on_token(0)
-        ids = generate(opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size, on_token)
+        reset = tok.eod_id if cfg.data.reset_at_eod else None
+        ids = generate(
+            opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size, on_token, reset
+        )
         ev["sample"] = prompt + opened.tokenizer.decode(ids)
     return ev

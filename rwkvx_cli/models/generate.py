@@ -30,9 +30,12 @@ def generate(
     seed=0,
     vocab_size: int | None = None,
     on_token=None,
+    reset_at: int | None = None,
 ) -> list[int]:
     """`n_tokens` ids sampled after `prompt`; only ids below `vocab_size` (the tokenizer's, where the
-    model's vocabulary is larger: its extra rows are never decodable). `on_token(n)`: n ids so far."""
+    model's vocabulary is larger: its extra rows are never decodable). `on_token(n)`: n ids so far.
+    `reset_at`: an id (the end-of-document one, for a run trained with data.reset_at_eod) that
+    starts a document, in the prompt or sampled: the model reads it from a zero state."""
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -42,11 +45,16 @@ def generate(
 
     ids = list(prompt) or [0]
     out: list[int] = []
-    logits, state = model(torch.tensor([ids], device=device))
+    def starts(idx: torch.Tensor) -> dict:
+        return {} if reset_at is None else {"starts": idx == reset_at}
+
+    idx = torch.tensor([ids], device=device)
+    logits, state = model(idx, **starts(idx))
     for _ in range(n_tokens):
         nxt = pick(logits[0, -1])
         out.append(nxt)
         if on_token is not None:
             on_token(len(out))
-        logits, state = model(torch.tensor([[nxt]], device=device), state)
+        idx = torch.tensor([[nxt]], device=device)
+        logits, state = model(idx, state, **starts(idx))
     return out

@@ -164,14 +164,16 @@ def _at_least_fp32(logits: torch.Tensor) -> torch.Tensor:
     return logits if logits.dtype == torch.float64 else logits.float()
 
 
-def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool, chunk_len: int = 0):
+def micro_batch_loss(forward, x, y, state, head: str, l2wrap: bool, chunk_len: int = 0, starts=None):
     """Mean cross-entropy of one micro-batch and the state after it: the chunked head, or full
     logits (train.head), with RWKV-LM's L2Wrap when `l2wrap`; with `chunk_len` shorter than the
-    window, chunked full BPTT (train.chunk_len, models/chunked.py). `forward` is the (wrapped) model."""
+    window, chunked full BPTT (train.chunk_len, models/chunked.py). `forward` is the (wrapped) model;
+    `starts` the window's document starts (bool [B, T], data.reset_at_eod) or None."""
+    extra = {} if starts is None else {"starts": starts}
     if 0 < chunk_len < x.shape[1]:
-        return forward(x, state, y, l2wrap=l2wrap, head=head, chunk_len=chunk_len)
+        return forward(x, state, y, l2wrap=l2wrap, head=head, chunk_len=chunk_len, **extra)
     if head == "chunked":
-        return forward(x, state, y, l2wrap=l2wrap)
-    logits, new_state = forward(x, state)
+        return forward(x, state, y, l2wrap=l2wrap, **extra)
+    logits, new_state = forward(x, state, **extra)
     loss = torch.nn.functional.cross_entropy(_at_least_fp32(logits).flatten(0, 1), y.flatten())
     return (L2Wrap.apply(loss, logits) if l2wrap else loss), new_state

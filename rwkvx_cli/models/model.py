@@ -184,8 +184,8 @@ class LM(nn.Module):
             new_state.append(s)
         return self.ln_out(x), new_state
 
-    def loss(self, idx, targets, state=None):
-        logits, new_state = self(idx, state)
+    def loss(self, idx, targets, state=None, starts=None):
+        logits, new_state = self(idx, state, starts=starts)
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), new_state
 
 

@@ -269,11 +269,16 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
         plot_losses(metrics_path(run_dir), loss_plot_path(run_dir))
     result.val = trainer.validate()
     # Every rank samples the same text (a sharded model needs them all); rank 0 shows it.
-    result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed)
+    result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed, cfg.data.reset_at_eod)
     return result
 
 
-def sample_text(model, tokenizer, seed: int) -> str:
+def sample_text(model, tokenizer, seed: int, reset_at_eod: bool = False) -> str:
+    """The end-of-run sample: a continuation of SAMPLE_PROMPT (each end-of-document token starting a
+    fresh document where the run trained with data.reset_at_eod)."""
     prompt = tokenizer.encode(SAMPLE_PROMPT)
-    ids = generate(model, prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed, tokenizer.vocab_size)
+    reset = tokenizer.eod_id if reset_at_eod else None
+    ids = generate(
+        model, prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed, tokenizer.vocab_size, reset_at=reset
+    )
     return tokenizer.decode(ids)
