@@ -246,6 +246,9 @@ Sets = Annotated[Names, typer.Option("--set", help="Config override for --model,
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
 VsFull = Annotated[bool, typer.Option("--vs-unchunked", help="With train.chunk_len: also time the unchunked step.")]
 VsUnfused = Annotated[bool, typer.Option("--vs-unfused", help="Also time the same model unfused (model.fused=false).")]
+VsPacked = Annotated[
+    bool, typer.Option("--vs-packed", help="With data.reset_at_eod: also time the same step without document starts.")
+]
 
 
 @app.command()
@@ -265,6 +268,7 @@ def bench(
     vs_gpt: VsGpt = False,
     vs_unchunked: VsFull = False,
     vs_unfused: VsUnfused = False,
+    vs_packed: VsPacked = False,
     json_path: JsonOpt = None,
     force: ForceOpt = False,
 ) -> None:
@@ -277,6 +281,7 @@ def bench(
         ("--vs-gpt", vs_gpt),
         ("--vs-unchunked", vs_unchunked),
         ("--vs-unfused", vs_unfused),
+        ("--vs-packed", vs_packed),
     )
     if model is not None and starts_every:
         raise UsageError("--starts-every times ops; it does not go with --model")
@@ -290,7 +295,14 @@ def bench(
         from rwkvx_cli.tools.bench_model import bench_model
 
         result = bench_model(
-            model, steps, dev, override or [], vs_gpt=vs_gpt, vs_unchunked=vs_unchunked, vs_unfused=vs_unfused
+            model,
+            steps,
+            dev,
+            override or [],
+            vs_gpt=vs_gpt,
+            vs_unchunked=vs_unchunked,
+            vs_unfused=vs_unfused,
+            vs_packed=vs_packed,
         )
         render_model_bench(result)
         write_json(json_path, result, force=force)

@@ -666,7 +666,7 @@ def render_model_bench(r: dict) -> None:
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
         f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
-    other = next((name for name in ("gpt", "unchunked", "unfused") if name in r), None)
+    other = next((name for name in ("gpt", "unchunked", "unfused", "packed") if name in r), None)
     gpt = r.get(other) if other else None
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
@@ -707,6 +707,11 @@ def render_model_bench(r: dict) -> None:
         out.print(
             f"[bold]fused / unfused: {r['fused_speedup']:.2f}x the tokens/s, {ratio:.2f}x the activation memory[/]"
             f" · {r['timing']}"
+        )
+    elif "reset_over_packed" in r:
+        out.print(
+            f"[bold]data.reset_at_eod / packed step time: {r['reset_over_packed']:.2f}x[/] · "
+            f"a document every {r.get('document_len', 64)} tokens · {r['timing']}"
         )
     elif "chunked_over_unchunked" in r:
         out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")

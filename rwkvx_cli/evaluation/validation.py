@@ -22,7 +22,6 @@ from rwkvx_cli.runs.runtime import Runtime
 Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's progress (render.progress)
 
 
-@torch.no_grad()
 def document_starts(idx: torch.Tensor, eod_id: int) -> torch.Tensor:
     """Where documents start in a window of token ids (data.reset_at_eod): at each end-of-document
     token, which ends the document before it in the data and begins the next one in the model, as a
@@ -30,6 +29,7 @@ def document_starts(idx: torch.Tensor, eod_id: int) -> torch.Tensor:
     return idx == eod_id
 
 
+@torch.no_grad()
 def evaluate(
     model: LM,
     tokens,

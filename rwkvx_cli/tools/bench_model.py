@@ -64,6 +64,9 @@ from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
 from rwkvx_cli.tools.op_count import ops_per_block
 
 COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
+# With data.reset_at_eod, the benched window holds a document every this many tokens (the cost of
+# the resets does not depend on how many there are: every op rewrites or reads its flags whole).
+DOCUMENT_LEN = 64
 
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 # Names of the recurrence ops' autograd functions (_WKV7CPU, its backward node), torch ops
@@ -96,10 +99,16 @@ def bench_model(
     vs_gpt: bool = False,
     vs_unchunked: bool = False,
     vs_unfused: bool = False,
+    vs_packed: bool = False,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
-    flags = (("--vs-gpt", vs_gpt), ("--vs-unchunked", vs_unchunked), ("--vs-unfused", vs_unfused))
+    flags = (
+        ("--vs-gpt", vs_gpt),
+        ("--vs-unchunked", vs_unchunked),
+        ("--vs-unfused", vs_unfused),
+        ("--vs-packed", vs_packed),
+    )
     given = [flag for flag, on in flags if on]
     if len(given) > 1:
         raise UsageError(f"{' and '.join(given)} do not go together; run them separately")
@@ -110,6 +119,8 @@ def bench_model(
         )
     if vs_unfused and not cfg.model.fused:
         raise UsageError("--vs-unfused compares the fused blocks with the unfused ones: model.fused must be true")
+    if vs_packed and not cfg.data.reset_at_eod:
+        raise UsageError("--vs-packed compares document starts with plain packing: data.reset_at_eod must be true")
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
     runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
@@ -120,8 +131,12 @@ def bench_model(
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
+    starts = None
+    if cfg.data.reset_at_eod:  # a document every DOCUMENT_LEN tokens, each begun by its eod token
+        idx[:, ::DOCUMENT_LEN] = cfg.data.eod_id
+        starts = idx[:, :-1] == cfg.data.eod_id
 
-    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts)
     step()  # warm-up
     sync(device)
     if vs_gpt:
@@ -139,11 +154,19 @@ def bench_model(
         whole()  # warm-up
         step_s, whole_s = _interleaved(step, whole, steps, device)
         whole_memory = step_memory(whole, model, device)
+    elif vs_packed:
+        packed = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)  # no starts
+        packed()  # warm-up
+        step_s, packed_s = _interleaved(step, packed, steps, device)
+        packed_memory = step_memory(packed, model, device)
+        del packed
     elif vs_unfused:
         plain = build_model(replace(cfg.model, fused=False), tc.seed).to(device)  # the same weights
         plain.grad_checkpointing = tc.grad_cp
         plain_opt = adamw(parameter_groups(plain, tc.lr, tc.weight_decay), tc.lr, tc.betas, tc.eps)
-        plain_step = _train_step(plain, plain_opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len)
+        plain_step = _train_step(
+            plain, plain_opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts
+        )
         plain_step()  # warm-up
         step_s, plain_s = _interleaved(step, plain_step, steps, device)
         plain_memory = step_memory(plain_step, plain, device)
@@ -216,6 +239,10 @@ def bench_model(
             "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap, fused=False),
         }
         result["fused_speedup"] = plain_s / step_s
+    if vs_packed:
+        result["packed"] = {"tokens_per_s": B * T / packed_s, "step_ms": packed_s * 1e3, **packed_memory}
+        result["reset_over_packed"] = step_s / packed_s
+        result["document_len"] = DOCUMENT_LEN
     if vs_unchunked:
         result["unchunked"] = {"tokens_per_s": B * T / whole_s, "step_ms": whole_s * 1e3, **whole_memory}
         result["chunked_over_unchunked"] = step_s / whole_s
@@ -293,16 +320,18 @@ def _train_step(
     device: torch.device,
     compile: bool = False,
     chunk_len: int = 0,
+    starts: torch.Tensor | None = None,
 ):
     """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
     loss under the precision's autocast, backward, the optimizer step, gradients freed. With
     `compile` (train.compile) the forward runs through torch.compile, as the trainer's does; with
-    `chunk_len` (train.chunk_len) the window runs as chunked full BPTT."""
+    `chunk_len` (train.chunk_len) the window runs as chunked full BPTT; `starts`: the inputs'
+    document starts (data.reset_at_eod)."""
     forward = torch.compile(model) if compile else model
 
     def step():
         with rt.autocast(mode, device):
-            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap, chunk_len)
+            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap, chunk_len, starts)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)

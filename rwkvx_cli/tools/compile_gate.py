@@ -197,11 +197,13 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
                     wide = name in WIDE_VALUE and N == min(head_sizes)  # one N is enough: the same kernel
                     widths = [{}] + ([{"E": WIDE_VALUE[name] * N, "Hv": 1}] if wide else [])
                     width = f" C={dims['H'] * N}" if dims["H"] > 1 else ""
-                    for dt in dtypes:
-                        for extra in widths:
-                            tag = f" E={extra['E']}" if extra else ""
-                            origin[0] = f"{name}/{bk.name} N={N}{width}{tag} {dt}"
-                            _run_backend(spec, bk, dims, T, {"fp32": torch.float32, "bf16": torch.bfloat16}[dt], extra)
+                    # with document starts too where the op takes them: their kernels' flag variants
+                    resets = ((), spec.fd_case.starts) if spec.fd_case.starts else ((),)
+                    for dt, extra, starts in ((d, e, s) for d in dtypes for e in widths for s in resets):
+                        tag = (f" E={extra['E']}" if extra else "") + (" starts" if starts else "")
+                        origin[0] = f"{name}/{bk.name} N={N}{width}{tag} {dt}"
+                        dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
+                        _run_backend(spec, bk, dims, T, dtype, extra, starts)
     finally:
         InterpretedFunction.run = original
     return list(seen.values())
@@ -215,7 +217,7 @@ def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
     return [{"H": 1, "N": N} for N in head_sizes]
 
 
-def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None) -> None:
+def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None, starts=()) -> None:
     import torch
 
     from rwkvx_cli.ops.registry import Case
@@ -224,7 +226,7 @@ def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict |
     N = sizes["N"]
     dims = {**base.dims, "B": 1, "T": T, **{k: v for k, v in sizes.items() if k in "BTHN"}}
     options = {**{k: v for k, v in sizes.items() if k not in "BTHN"}, **(options or {})}
-    case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **options})
+    case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **options}, starts=starts)
     tensors = spec.sample(case, torch.Generator().manual_seed(0))
     inputs = {
         k: (v.to(dtype) if k in spec.inputs else v.float()).requires_grad_(v.is_floating_point())

@@ -88,6 +88,20 @@ def test_bench_model(tmp_path):
     assert data["recurrence_pct"] > 0 and data["matmul_pct"] > 0
 
 
+def test_bench_model_vs_packed_times_document_starts(tmp_path):
+    path = tmp_path / "model.json"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 2, n_embd: 64, head_size: 32}\ntrain: {ctx_len: 32, micro_batch: 2}\n")
+    args = ["bench", "--model", str(cfg), "--steps", "1"]
+    result = runner.invoke(app, [*args, "--set", "data.reset_at_eod=true", "--vs-packed", "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    assert data["reset_over_packed"] > 0 and data["packed"]["step_ms"] > 0
+    assert "data.reset_at_eod / packed step time" in result.output
+    result = runner.invoke(app, [*args, "--vs-packed"])
+    assert result.exit_code == 2 and "data.reset_at_eod must be true" in result.stderr
+
+
 def test_bench_model_keeps_the_profilers_chatter_off_the_terminal(tmp_path):
     """torch.profiler's C++ side writes STAGE:/USDT: lines to file descriptor 2 (a process is needed to
     see them: the runner only swaps sys.stderr); a warning written meanwhile still comes through."""
