@@ -59,15 +59,26 @@ def position_buckets(max_len: int) -> list[tuple[int, int]]:
 
 
 @torch.no_grad()
-def read(model, x: torch.Tensor, runtime, state=None, on_chunk: Callable | None = None, chunk: int | None = None):
+def read(
+    model,
+    x: torch.Tensor,
+    runtime,
+    state=None,
+    on_chunk: Callable | None = None,
+    chunk: int | None = None,
+    reset_at: int | None = None,
+):
     """Read the token ids `x` [B, T] in pieces of `chunk` tokens (default READ_CHUNK), each from the
     state the last one left; `on_chunk(lo, h)` gets each piece's hidden states [B, hi - lo, C].
-    Returns the state after `x` and the last position's hidden state [B, C]."""
+    `reset_at`: the end-of-document id of a run trained with data.reset_at_eod, where a document
+    starts (None: none). Returns the state after `x` and the last position's hidden state [B, C]."""
     chunk = chunk or READ_CHUNK
     h = None
     for lo in range(0, x.shape[1], chunk):
+        piece = x[:, lo : lo + chunk].to(runtime.device)
+        starts = None if reset_at is None else piece == reset_at
         with runtime.autocast():
-            h, state = model.hidden(x[:, lo : lo + chunk].to(runtime.device), state)
+            h, state = model.hidden(piece, state, starts)
         if on_chunk is not None:
             on_chunk(lo, h)
     return state, h[:, -1]
@@ -101,9 +112,12 @@ def streams_of(tokens, max_len: int | None) -> tuple[torch.Tensor, int]:
     return torch.from_numpy(np.stack(rows)), max_len
 
 
-def loss_by_position(model, streams: torch.Tensor, runtime, on_read: Callable[[int], None] | None = None) -> dict:
+def loss_by_position(
+    model, streams: torch.Tensor, runtime, on_read: Callable[[int], None] | None = None, reset_at: int | None = None
+) -> dict:
     """Mean next-token loss per position bucket over `streams` [S, L + 1], each read whole with the
-    state carried (see the module docstring); `on_read(n)` after each piece: n tokens read so far."""
+    state carried (see the module docstring); `on_read(n)` after each piece: n tokens read so far;
+    `reset_at`: see `read` (position p still counts the stream's tokens, across documents)."""
     S, L = streams.shape[0], streams.shape[1] - 1
     losses = torch.empty(S, L, dtype=torch.float32)
 
@@ -113,7 +127,7 @@ def loss_by_position(model, streams: torch.Tensor, runtime, on_read: Callable[[i
             on_read(S * (lo + h.shape[1]))
 
     model.eval()
-    read(model, streams[:, :-1], runtime, on_chunk=score)
+    read(model, streams[:, :-1], runtime, on_chunk=score, reset_at=reset_at)
     buckets = []
     for lo, hi in position_buckets(L):
         part = losses[:, lo - 1 : hi - 1].double()  # position p is the target at index p
@@ -157,15 +171,21 @@ def eval_by_position(
 
 
 def _by_position_of(opened, streams, on_read=None) -> dict:
-    t = opened.config.train
+    t, reset = opened.config.train, opened.config.data.reset_at_eod
     return {
         "checkpoint": str(opened.checkpoint.path),
         "step": opened.step,
         "ctx_len": t.ctx_len,
         "chunk_len": t.chunk_len,
         "tbptt": t.tbptt,
-        **loss_by_position(opened.model, streams, opened.runtime, on_read),
+        "reset_at_eod": reset,
+        **loss_by_position(opened.model, streams, opened.runtime, on_read, _reset_at(opened)),
     }
+
+
+def _reset_at(opened) -> int | None:
+    """The id that starts a document for this checkpoint's model (data.reset_at_eod), or None."""
+    return opened.tokenizer.eod_id if opened.config.data.reset_at_eod else None
 
 
 def _check_same_tokens(a, b) -> None:
@@ -214,12 +234,24 @@ def passkey_prompt(tokenizer, filler: np.ndarray, key: str, length: int, depth: 
 
 @torch.no_grad()
 def passkey(
-    model, tokenizer, val_tokens, runtime, lengths, depths=DEPTHS, trials: int = 4, seed: int = 0, on_progress=None
+    model,
+    tokenizer,
+    val_tokens,
+    runtime,
+    lengths,
+    depths=DEPTHS,
+    trials: int = 4,
+    seed: int = 0,
+    on_progress=None,
+    reset_at: int | None = None,
 ) -> dict:
     """Passkey retrieval accuracy by prompt length and needle depth (see the module docstring). Each
     (length, depth) runs `trials` prompts, with a key (of KEYS) and a filler offset drawn from (seed,
-    length, depth, trial), read as one batch. `on_progress("passkey", done, total)`: prompt tokens read."""
+    length, depth, trial), read as one batch. `on_progress("passkey", done, total)`: prompt tokens read.
+    `reset_at`: see `read`; the filler then leaves that id out, so that a prompt is one document."""
     tokens = np.asarray(val_tokens)
+    if reset_at is not None:
+        tokens = tokens[tokens != reset_at]
     model.eval()
     cells = []
     total, before = sum(lengths) * len(depths) * trials, 0
@@ -238,7 +270,7 @@ def passkey(
             if on_progress is not None:
                 on_chunk = functools.partial(_read_so_far, on_progress, before, total, trials)
             n = max(len(tokenizer.encode(" " + k)) for k in keys)
-            answers = _greedy(model, torch.tensor(prompts), n, runtime, on_chunk=on_chunk)
+            answers = _greedy(model, torch.tensor(prompts), n, runtime, on_chunk=on_chunk, reset_at=reset_at)
             before += trials * length
             got = [tokenizer.decode(a).strip() for a in answers]
             correct = sum(g.startswith(k) for g, k in zip(got, keys, strict=True))
@@ -261,15 +293,18 @@ def _read_so_far(on_progress, before: int, total: int, rows: int, lo: int, h) ->
     on_progress("passkey", before + rows * (lo + h.shape[1]), total)
 
 
-def _greedy(model, prompts: torch.Tensor, n: int, runtime, on_chunk: Callable | None = None) -> list[list[int]]:
-    """`n` greedy tokens after each row of `prompts` [B, T] (read with the state carried; on_chunk: see read)."""
-    state, h = read(model, prompts, runtime, on_chunk=on_chunk)
+def _greedy(
+    model, prompts: torch.Tensor, n: int, runtime, on_chunk: Callable | None = None, reset_at: int | None = None
+) -> list[list[int]]:
+    """`n` greedy tokens after each row of `prompts` [B, T] (read with the state carried; on_chunk and
+    reset_at: see read)."""
+    state, h = read(model, prompts, runtime, on_chunk=on_chunk, reset_at=reset_at)
     out = []
     for _ in range(n):
         with runtime.autocast():
             nxt = model.head(h).float().argmax(-1)
         out.append(nxt.cpu())
-        state, h = read(model, nxt[:, None], runtime, state)
+        state, h = read(model, nxt[:, None], runtime, state, reset_at=reset_at)
     return torch.stack(out, 1).tolist()
 
 
@@ -289,9 +324,16 @@ def eval_passkey(
     opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
     val = open_data(opened.config, opened.checkpoint.run_dir, data_dir, check_train=False).val
     model, tokenizer, runtime = opened.model, opened.tokenizer, opened.runtime
-    result = passkey(model, tokenizer, val.tokens, runtime, lengths_, depths_, trials, seed, on_progress)
+    reset = _reset_at(opened)
+    result = passkey(model, tokenizer, val.tokens, runtime, lengths_, depths_, trials, seed, on_progress, reset)
     t = opened.config.train
-    return {"checkpoint": str(opened.checkpoint.path), "step": opened.step, "ctx_len": t.ctx_len, **result}
+    return {
+        "checkpoint": str(opened.checkpoint.path),
+        "step": opened.step,
+        "ctx_len": t.ctx_len,
+        "reset_at_eod": reset is not None,
+        **result,
+    }
 
 
 def run_long_context(

@@ -93,7 +93,7 @@ def test_an_answer_counts_when_it_starts_with_the_key(monkeypatch):
     tok = ByteTokenizer()
     calls = []
 
-    def answers(model, prompts, n, runtime, on_chunk=None):
+    def answers(model, prompts, n, runtime, on_chunk=None, reset_at=None):
         calls.append(prompts.shape)
         texts = []
         for row in prompts.tolist():
@@ -113,6 +113,42 @@ def test_an_answer_counts_when_it_starts_with_the_key(monkeypatch):
     ]
     keys = [a["key"] for c in result["cells"] for a in c["answers"]]
     assert len(set(keys)) == len(keys) and all(len(k) == 5 and k.isdigit() for k in keys)
+
+
+def test_loss_by_position_starts_documents_where_the_run_trained_so(monkeypatch):
+    """With reset_at (a data.reset_at_eod run's eod id), read in pieces of 7 tokens, each token's loss
+    is the one a whole forward with those document starts gives it, and differs from packed reading."""
+    monkeypatch.setattr(lc, "READ_CHUNK", 7)
+    model = perturbed(["rwkv7", "gdn"])
+    streams = torch.randint(1, V, (2, 41), generator=torch.Generator().manual_seed(2))
+    streams[0, [3, 7, 20]] = 0
+    streams[1, [14]] = 0
+    got = lc.loss_by_position(model, streams, CPU, reset_at=0)
+    packed = lc.loss_by_position(model, streams, CPU)
+    with torch.no_grad():
+        logits, _ = model(streams[:, :-1], starts=streams[:, :-1] == 0)
+    per_token = torch.nn.functional.cross_entropy(logits.transpose(1, 2), streams[:, 1:], reduction="none").double()
+    assert got["loss"] == pytest.approx(per_token.mean().item(), rel=1e-5)
+    assert got["loss"] != pytest.approx(packed["loss"], rel=1e-5)
+
+
+def test_passkey_of_a_reset_run_leaves_the_end_of_document_token_out_of_the_filler(monkeypatch):
+    tok = ByteTokenizer()
+    seen = []
+
+    def answers(model, prompts, n, runtime, on_chunk=None, reset_at=None):
+        seen.append((prompts, reset_at))
+        return [[0] * n for _ in range(prompts.shape[0])]
+
+    monkeypatch.setattr(lc, "_greedy", answers)
+    tokens = np.array(tok.encode("the quick brown fox. ") * 40 + [0] * 50, dtype=np.int64)
+    tokens[::30] = 0  # end-of-document tokens all through the filler
+    lc.passkey(torch.nn.Identity(), tok, tokens, CPU, [128], depths=[0.5], trials=2, seed=1, reset_at=0)
+    (prompts, reset_at), = seen
+    assert reset_at == 0 and not (prompts == 0).any()  # one document: nothing resets the needle away
+    seen.clear()
+    lc.passkey(torch.nn.Identity(), tok, tokens, CPU, [128], depths=[0.5], trials=2, seed=1)
+    assert seen[0][1] is None
 
 
 def test_parse_lengths():

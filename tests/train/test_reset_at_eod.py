@@ -64,6 +64,9 @@ def test_a_reset_run_differs_from_a_packed_one_and_resumes_exactly(tmp_path, doc
     assert result.exit_code == 0, result.output
     validated = [r["val_loss"] for r in rows(reset) if r.get("val_loss") is not None]
     assert json.loads(result.stdout)["loss"] == pytest.approx(validated[-1], rel=1e-6)  # as training validated
+    result = runner.invoke(app, ["eval", "--checkpoint", str(reset), "--by-position", "--max-len", "64", "--json"])
+    assert result.exit_code == 0, result.output
+    assert [r["reset_at_eod"] for r in json.loads(result.stdout)["runs"]] == [True]
 
 
 def test_resume_refuses_to_switch_it(tmp_path, documents):
