@@ -711,7 +711,7 @@ def render_model_bench(r: dict) -> None:
     elif "reset_over_packed" in r:
         out.print(
             f"[bold]data.reset_at_eod / packed step time: {r['reset_over_packed']:.2f}x[/] · "
-            f"a document every {r.get('document_len', 64)} tokens · {r['timing']}"
+            f"a document every {r['document_len']} tokens · {r['timing']}"
         )
     elif "chunked_over_unchunked" in r:
         out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")

@@ -30,6 +30,7 @@ import torch
 
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import check_output
+from rwkvx_cli.models import document_starts
 from rwkvx_cli.models.losses import chunk_rows
 from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
@@ -76,9 +77,8 @@ def read(
     h = None
     for lo in range(0, x.shape[1], chunk):
         piece = x[:, lo : lo + chunk].to(runtime.device)
-        starts = None if reset_at is None else piece == reset_at
         with runtime.autocast():
-            h, state = model.hidden(piece, state, starts)
+            h, state = model.hidden(piece, state, document_starts(piece, reset_at))
         if on_chunk is not None:
             on_chunk(lo, h)
     return state, h[:, -1]

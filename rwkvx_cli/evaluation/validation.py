@@ -13,20 +13,13 @@ import torch
 
 from rwkvx_cli.data.sampler import sequential_windows
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.models import LM
+from rwkvx_cli.models import LM, document_starts
 from rwkvx_cli.models.generate import generate
 from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
 from rwkvx_cli.runs.runtime import Runtime
 
 Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's progress (render.progress)
-
-
-def document_starts(idx: torch.Tensor, eod_id: int) -> torch.Tensor:
-    """Where documents start in a window of token ids (data.reset_at_eod): at each end-of-document
-    token, which ends the document before it in the data and begins the next one in the model, as a
-    start-of-document token would (its own prediction is the next document's first token)."""
-    return idx == eod_id
 
 
 @torch.no_grad()
@@ -56,7 +49,7 @@ def evaluate(
     def flush():
         nonlocal total, count
         x, y = torch.stack(xs).to(runtime.device), torch.stack(ys).to(runtime.device)
-        starts = document_starts(x, tokenizer.eod_id) if reset_at_eod else None
+        starts = document_starts(x, tokenizer.eod_id if reset_at_eod else None)
         with runtime.autocast():
             loss, _ = model.loss(x, y, starts=starts)
         total += loss.item() * y.numel()

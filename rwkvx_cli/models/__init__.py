@@ -1,3 +1,21 @@
-from rwkvx_cli.models.model import LM, Block, block_kinds, build_model, init_weights, layer_kinds, parameter_groups
+from rwkvx_cli.models.model import (
+    LM,
+    Block,
+    block_kinds,
+    build_model,
+    document_starts,
+    init_weights,
+    layer_kinds,
+    parameter_groups,
+)
 
-__all__ = ["LM", "Block", "block_kinds", "build_model", "init_weights", "layer_kinds", "parameter_groups"]
+__all__ = [
+    "LM",
+    "Block",
+    "block_kinds",
+    "build_model",
+    "document_starts",
+    "init_weights",
+    "layer_kinds",
+    "parameter_groups",
+]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.models.model import LM
+from rwkvx_cli.models.model import LM, document_starts
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
@@ -45,16 +45,13 @@ def generate(
 
     ids = list(prompt) or [0]
     out: list[int] = []
-    def starts(idx: torch.Tensor) -> dict:
-        return {} if reset_at is None else {"starts": idx == reset_at}
-
     idx = torch.tensor([ids], device=device)
-    logits, state = model(idx, **starts(idx))
+    logits, state = model(idx, starts=document_starts(idx, reset_at))
     for _ in range(n_tokens):
         nxt = pick(logits[0, -1])
         out.append(nxt)
         if on_token is not None:
             on_token(len(out))
         idx = torch.tensor([[nxt]], device=device)
-        logits, state = model(idx, state, **starts(idx))
+        logits, state = model(idx, state, starts=document_starts(idx, reset_at))
     return out

@@ -189,6 +189,14 @@ class LM(nn.Module):
         return F.cross_entropy(logits.float().view(-1, logits.shape[-1]), targets.reshape(-1)), new_state
 
 
+def document_starts(idx: torch.Tensor, eod_id: int | None) -> torch.Tensor | None:
+    """The document starts of token ids `idx` for a model trained with data.reset_at_eod (its
+    tokenizer's `eod_id`; None: no resets, None back). A document starts at each end-of-document
+    token, which ends the one before it in the data and begins the next in the model, as a
+    start-of-document token would: its own prediction is the next document's first token."""
+    return None if eod_id is None else idx == eod_id
+
+
 @torch.no_grad()
 def init_weights(model: LM, seed: int) -> None:
     """RWKV-LM train_temp's "better rwkv7 init" and each other kind's own

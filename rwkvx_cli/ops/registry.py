@@ -131,6 +131,19 @@ class OpSpec:
         """Whether backend `bk` of this op can take document starts."""
         return bk.resets or self.reset_inputs is not None
 
+    def with_starts(self, bk: Backend, inputs: Tensors, starts: torch.Tensor | None) -> tuple[Tensors, dict]:
+        """Backend `bk`'s named inputs and extra keyword arguments for document starts (None: none):
+        `starts=` for a backend that takes them, the inputs rewritten by `reset_inputs` for the
+        others; a ValueError where neither applies. The one routing of starts: the public
+        functions and `call` both use it."""
+        if starts is None:
+            return inputs, {}
+        if bk.resets:
+            return inputs, {"starts": starts}
+        if self.reset_inputs is None:
+            raise ValueError(f"backend {bk.name!r} of {self.name} does not reset at document starts")
+        return self.reset_inputs(inputs, starts), {}
+
     def call(
         self, bk: Backend, tensors: Tensors, case: Case
     ) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
@@ -140,15 +153,9 @@ class OpSpec:
         (the tests' planted bugs). A case's absent inputs are passed as None; its document starts
         go to a backend that takes them, or through the op's `reset_inputs`."""
         named = {n: None if n in case.absent else tensors[n] for n in self.inputs}
-        kwargs = self.kwargs(case)
         starts = case.starts_mask(next(iter(tensors.values())).device)
-        if starts is not None:
-            if bk.resets:
-                kwargs = {**kwargs, "starts": starts}
-            elif self.reset_inputs is not None:
-                named = self.reset_inputs(named, starts)
-            else:
-                raise ValueError(f"backend {bk.name!r} of {self.name} does not reset at document starts")
+        named, extra = self.with_starts(bk, named, starts)
+        kwargs = {**self.kwargs(case), **extra}
         inputs = list(named.values())
         if not self.states:
             return self._outputs(bk.fn(*inputs, **kwargs)), ()

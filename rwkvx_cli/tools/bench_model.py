@@ -53,7 +53,7 @@ import torch
 
 from rwkvx_cli.config import load_config
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.models import build_model, parameter_groups
+from rwkvx_cli.models import build_model, document_starts, parameter_groups
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.models.model import layer_kinds
@@ -134,7 +134,7 @@ def bench_model(
     starts = None
     if cfg.data.reset_at_eod:  # a document every DOCUMENT_LEN tokens, each begun by its eod token
         idx[:, ::DOCUMENT_LEN] = cfg.data.eod_id
-        starts = idx[:, :-1] == cfg.data.eod_id
+        starts = document_starts(idx[:, :-1], cfg.data.eod_id)
 
     step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts)
     step()  # warm-up

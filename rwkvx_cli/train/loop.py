@@ -20,8 +20,8 @@ import torch
 from rwkvx_cli.config import Config, ConfigError
 from rwkvx_cli.data.sampler import EpochSampler, MixtureSampler, StreamSampler, WindowSampler
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.evaluation.validation import document_starts, evaluate
-from rwkvx_cli.models import LM, parameter_groups
+from rwkvx_cli.evaluation.validation import evaluate
+from rwkvx_cli.models import LM, document_starts, parameter_groups
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.models.optimizer import adamw
 from rwkvx_cli.models.summary import model_summary
@@ -223,7 +223,7 @@ class Trainer:
 
     def _loss(self, x, y, carry):
         t = self.cfg.train
-        starts = document_starts(x, self.tokenizer.eod_id) if self.cfg.data.reset_at_eod else None
+        starts = document_starts(x, self.tokenizer.eod_id if self.cfg.data.reset_at_eod else None)
         return micro_batch_loss(self.forward, x, y, carry, t.head, self.l2wrap, t.chunk_len, starts)
 
     def _nonfinite(self, loss: float, norm: float) -> None:

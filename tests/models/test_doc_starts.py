@@ -8,11 +8,11 @@ from dataclasses import replace
 import pytest
 import torch
 
-from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.config import LAYER_KINDS, RESETTING_KINDS, ModelConfig
 from rwkvx_cli.models import build_model
 
 BASE = ModelConfig(vocab_size=97, n_layer=2, n_embd=32, head_size=16)
-KINDS = {
+KINDS = {  # every kind of config.RESETTING_KINDS (test_every_resetting_kind_is_checked)
     "rwkv7": {},
     "rwkv7_unfused": {"fused": False},
     "gdn_kda": {"layers": ["gdn", "kda"]},
@@ -93,6 +93,11 @@ def test_packed_documents_train_as_documents_apart(kind, mode):
         torch.testing.assert_close(grads[name], grads_apart[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
+def test_every_resetting_kind_is_checked():
+    checked = {k for spec in KINDS.values() for k in spec.get("layers", ["rwkv7"])}
+    assert checked == RESETTING_KINDS
+
+
 def test_without_starts_the_documents_leak_into_each_other():
     """The check above can fail: run packed without starts, the same window differs."""
     model = _model("rwkv7")
@@ -117,8 +122,10 @@ def test_a_state_carried_into_the_window_is_dropped_at_its_first_start():
     torch.testing.assert_close(carried, fresh, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("layers", [["rwkv4"], ["rwkv8"], ["rwkv7", "moba"]])
-def test_kinds_that_do_not_reset_yet_refuse_starts(layers):
+@pytest.mark.parametrize("kind", sorted(set(LAYER_KINDS) - RESETTING_KINDS))
+def test_kinds_that_do_not_reset_yet_refuse_starts(kind):
+    """Every kind config.RESETTING_KINDS leaves out (what data.reset_at_eod refuses) refuses starts."""
+    layers = ["rwkv7", kind] if kind == "moba" else [kind]
     model = build_model(replace(BASE, layers=layers, n_layer=len(layers), moba_chunk=8), 0)
     with pytest.raises(ValueError, match="does not reset at document starts yet"):
         model(torch.zeros(1, 8, dtype=torch.long), starts=torch.zeros(1, 8, dtype=torch.bool))

@@ -55,14 +55,12 @@ def channel_mix(
     if state is not None:
         check_state("state", state, (B, C), x.device)
     starts = check_starts(starts, B, T, x.device)
-    bk = resolve_backend(get_op("channel_mix"), backend, x.device)
+    spec = get_op("channel_mix")
+    bk = resolve_backend(spec, backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of channel_mix does not support float64 inputs")
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    if starts is None:
-        return bk.fn(x, weight, bias, mix, key, value, state, eps=eps)
-    if not bk.resets:
-        raise ValueError(f"backend {bk.name!r} of channel_mix does not reset at document starts")
-    return bk.fn(x, weight, bias, mix, key, value, state, eps=eps, starts=starts)
+    _, extra = spec.with_starts(bk, {}, starts)
+    return bk.fn(x, weight, bias, mix, key, value, state, eps=eps, **extra)

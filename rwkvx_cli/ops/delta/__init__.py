@@ -82,9 +82,5 @@ def run(
     bk = resolve_backend(spec, backend, q.device)
     if q.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of {spec.name} does not support float64 inputs")
-    if starts is None:
-        return bk.fn(q, k, v, g, beta, state, scale=float(scale))
-    if bk.resets:
-        return bk.fn(q, k, v, g, beta, state, scale=float(scale), starts=starts)
-    x = spec.reset_inputs(dict(zip(INPUTS, (q, k, v, g, beta), strict=True)), starts)
-    return bk.fn(*(x[n] for n in INPUTS), state, scale=float(scale))
+    x, extra = spec.with_starts(bk, dict(zip(INPUTS, (q, k, v, g, beta), strict=True)), starts)
+    return bk.fn(*x.values(), state, scale=float(scale), **extra)

@@ -94,15 +94,12 @@ def shift_mix(
     if state is not None:
         check_state("state", state, (B, C), x.device)
     starts = check_starts(starts, B, T, x.device)
-    bk = resolve_backend(get_op("shift_mix"), backend, x.device)
+    spec = get_op("shift_mix")
+    bk = resolve_backend(spec, backend, x.device)
     if x.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of shift_mix does not support float64 inputs")
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if x.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, C, dtype=state_dtype, device=x.device)
-    options = {"eps": eps, **({"residual": True} if residual else {})}
-    if starts is not None:
-        if not bk.resets:
-            raise ValueError(f"backend {bk.name!r} of shift_mix does not reset at document starts")
-        options["starts"] = starts
-    return bk.fn(x, weight, bias, mix, state, **options)
+    _, extra = spec.with_starts(bk, {}, starts)
+    return bk.fn(x, weight, bias, mix, state, eps=eps, **({"residual": True} if residual else {}), **extra)

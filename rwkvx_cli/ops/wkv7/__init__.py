@@ -59,9 +59,5 @@ def wkv7(
     if state is None and not bk.optional_state:
         state_dtype = torch.float64 if r.dtype == torch.float64 else torch.float32
         state = torch.zeros(B, H, N, N, dtype=state_dtype, device=r.device)
-    if starts is None:
-        return bk.fn(r, w, k, v, a, b, state)
-    if bk.resets:
-        return bk.fn(r, w, k, v, a, b, state, starts=starts)
-    x = spec.reset_inputs(dict(zip(INPUTS, (r, w, k, v, a, b), strict=True)), starts)
-    return bk.fn(*(x[n] for n in INPUTS), state)
+    x, extra = spec.with_starts(bk, dict(zip(INPUTS, (r, w, k, v, a, b), strict=True)), starts)
+    return bk.fn(*x.values(), state, **extra)
