@@ -22,7 +22,7 @@ def step():  # a training step's pattern: activations of a few MiB each, kept, t
     ys = [x * 2 for _ in range(8)]
     del ys
 
-for _ in range(3):
+for _ in range(10):  # warm-up
     step()
 before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 for _ in range(10):
@@ -42,6 +42,10 @@ def test_freed_tensors_come_back_without_page_faults():
     assert resource.getrusage  # Linux, glibc: what CI and the development machines run
     fresh, kept = _faults(False), _faults(True)
     # Mapped fresh, every result faults its pages in: ~1,000 of 4 KiB each, at least one even where
-    # transparent huge pages back it. Kept, almost none does.
+    # transparent huge pages back it.
     assert fresh >= ALLOCATIONS
-    assert kept < min(200, fresh // 20)
+    # Kept, none does, but for one growth of the heap by one result's pages: now and then (1 run
+    # in 12 after 3 warm-up steps, 1 in 20 after 10 under load) the footprint is reached one step
+    # late, and never grows again; glibc's own unpinned default faults every step's 8 results in
+    # 2 runs of 3.
+    assert kept <= fresh // ALLOCATIONS + 100
