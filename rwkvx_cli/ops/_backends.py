@@ -23,16 +23,19 @@ def standard_backends(
     chunked_summary: str,
     reference: Callable,
     reference_resets: bool = False,
+    resets: bool = False,
 ) -> dict[str, Backend]:
     """The table of an op with a fused C++ kernel, fused Triton kernels, a pure-torch
-    chunked form and a plain reference: cpu, triton, chunked, reference (`reference_resets`:
-    it takes document starts itself, Backend.resets)."""
-    return backend_table(
+    chunked form and a plain reference: cpu, triton, chunked, reference. Document starts
+    (Backend.resets): `resets`, every backend takes them itself; `reference_resets`, the
+    reference alone does (the others reset through the op's reset_inputs)."""
+    rows = (
         cpu_backend(cpu, cpu_summary, cpu_unavailable),
         triton_backend("triton", triton, triton_summary, triton_unavailable),
         Backend("chunked", chunked, chunked_summary),
         reference_backend(reference, resets=reference_resets),
     )
+    return backend_table(*(replace(bk, resets=True) if resets else bk for bk in rows))
 
 
 def backend_table(*backends: Backend) -> dict[str, Backend]:
