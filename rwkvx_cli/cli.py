@@ -158,6 +158,13 @@ def eval_cmd(
     passkey: Passkey = None,
     trials: Trials = None,
     plot: Plot = None,
+    reset_at_eod: Annotated[
+        bool | None,
+        typer.Option(
+            "--reset-at-eod/--no-reset-at-eod",
+            help="Evaluate with / without a fresh state at each end-of-document token (default: as trained).",
+        ),
+    ] = None,
     force: ForceOpt = False,
 ) -> None:
     """Validation loss, perplexity, bits/byte and tokens/s of a checkpoint (--generate: and a sample); --tasks:
@@ -197,6 +204,8 @@ def explain(
     for path, write in writers:
         if path is not None:
             out.print(f"wrote {write(result, path, force)}", markup=False)
+
+
 def choices(name: str, *values: str) -> type[Enum]:
     """An option's fixed values, as the Enum typer checks them against."""
     return Enum(name, {v: v for v in values}, type=str)

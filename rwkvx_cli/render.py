@@ -220,6 +220,7 @@ def render_eval(ev: dict, as_json: bool) -> None:
     out.print(
         f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {ev['bpb']:.4f} "
         f"over {ev['tokens']:,} tokens ({ev['tokens_per_s']:,.0f} tokens/s)"
+        + (", documents reset at each end-of-document token" if ev.get("reset_at_eod") else "")
     )
     if "sample" in ev:
         out.print(ev["sample"], markup=False)

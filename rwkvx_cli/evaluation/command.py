@@ -1,10 +1,10 @@
 """What `rwkvx eval` computes for its options: one of its modes, the others' options refused.
 
-    plain        validation loss, perplexity, bits per byte (evaluation/validation.py), with
-                 --generate a sampled continuation
-    tasks        --tasks: lm-evaluation-harness (evaluation/harness.py)
-    by_position  --by-position: loss by token position (evaluation/long_context.py)
-    passkey      --passkey LENGTHS: passkey retrieval (evaluation/long_context.py)
+plain        validation loss, perplexity, bits per byte (evaluation/validation.py), with
+             --generate a sampled continuation
+tasks        --tasks: lm-evaluation-harness (evaluation/harness.py)
+by_position  --by-position: loss by token position (evaluation/long_context.py)
+passkey      --passkey LENGTHS: passkey retrieval (evaluation/long_context.py)
 """
 
 from __future__ import annotations
@@ -26,7 +26,7 @@ def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[
 
         others = {"--tasks": o["tasks"], "--generate": o["generate"]}
         args = (checkpoint, o["data_dir"], o["seed"], others, on_skip, on_progress)
-        result = run_long_context(*args, force=o["force"], **long)
+        result = run_long_context(*args, force=o["force"], reset_at_eod=o["reset_at_eod"], **long)
         return result["kind"], result
     if o["tasks"] is None:
         given = [f"--{k.replace('_', '-')}" for k in TASK_ONLY if o[k] is not None]
@@ -35,10 +35,12 @@ def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[
         from rwkvx_cli.evaluation.validation import eval_checkpoint
 
         sample = {"prompt": o["generate"], "n_tokens": o["tokens"], "temperature": o["temperature"]}
-        sample |= {"top_p": o["top_p"], "seed": o["seed"]}
+        sample |= {"top_p": o["top_p"], "seed": o["seed"], "reset_at_eod": o["reset_at_eod"]}
         return "plain", eval_checkpoint(checkpoint, o["data_dir"], on_skip=on_skip, on_progress=on_progress, **sample)
     if o["generate"] is not None:
         raise UsageError("--generate and --tasks do not go together; run them separately")
+    if o["reset_at_eod"] is not None:
+        raise UsageError("--reset-at-eod / --no-reset-at-eod do not go with --tasks")
     from rwkvx_cli.evaluation.harness import run_tasks
 
     keys = ("limit", "num_fewshot", "include_path", "batch_size", "bootstrap_iters", "seed", "output", "force")

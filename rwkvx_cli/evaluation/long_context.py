@@ -141,18 +141,19 @@ def eval_by_position(
     *,
     max_len: int | None = None,
     against: Path | None = None,
+    reset_at_eod: bool | None = None,
     on_skip=None,
     on_progress=None,
 ) -> dict:
     """`rwkvx eval --by-position`: loss_by_position of a checkpoint on its run's validation split (or
     `data_dir`'s), and of the `against` checkpoint on the same streams; `on_progress("by position",
-    done, total)`: the tokens read of both."""
-    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
+    done, total)`: the tokens read of both. `reset_at_eod`: see open_checkpoint (both checkpoints)."""
+    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
     val = open_data(opened.config, opened.checkpoint.run_dir, data_dir, check_train=False).val
     streams, max_len = streams_of(val.tokens, max_len)
     other = None
     if against is not None:
-        other = open_checkpoint(against, data_dir=data_dir, on_skip=on_skip)
+        other = open_checkpoint(against, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
         _check_same_tokens(opened, other)
     tokens = streams.shape[0] * max_len
     total = tokens * (2 if other is not None else 1)
@@ -316,12 +317,14 @@ def eval_passkey(
     depths: list[float] | None = None,
     trials: int = 4,
     seed: int = 0,
+    reset_at_eod: bool | None = None,
     on_skip=None,
     on_progress=None,
 ) -> dict:
-    """`rwkvx eval --passkey LENGTHS`: `passkey` on a checkpoint, filler from its validation split."""
+    """`rwkvx eval --passkey LENGTHS`: `passkey` on a checkpoint, filler from its validation split.
+    `reset_at_eod`: see open_checkpoint."""
     lengths_, depths_ = parse_lengths(lengths), list(depths or DEPTHS)
-    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
+    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
     val = open_data(opened.config, opened.checkpoint.run_dir, data_dir, check_train=False).val
     model, tokenizer, runtime = opened.model, opened.tokenizer, opened.runtime
     reset = _reset_at(opened)
@@ -351,6 +354,7 @@ def run_long_context(
     trials: int | None = None,
     plot: Path | None = None,
     force: bool = False,
+    reset_at_eod: bool | None = None,
 ) -> dict:
     """`rwkvx eval --by-position` or `--passkey`, its options checked (`others`: the eval options
     that do not go with them, by flag, None when not given). Returns the figures, with "kind"
@@ -372,10 +376,18 @@ def run_long_context(
         check_output(plot, force, "--plot")  # before the model is read (fsio: the guard of every output file)
     if kind == "by_position":
         result = eval_by_position(
-            checkpoint, data_dir, max_len=max_len, against=against, on_skip=on_skip, on_progress=on_progress
+            checkpoint,
+            data_dir,
+            max_len=max_len,
+            against=against,
+            reset_at_eod=reset_at_eod,
+            on_skip=on_skip,
+            on_progress=on_progress,
         )
     else:
-        options = dict(trials=trials or 4, seed=seed, on_skip=on_skip, on_progress=on_progress)
+        options = dict(
+            trials=trials or 4, seed=seed, reset_at_eod=reset_at_eod, on_skip=on_skip, on_progress=on_progress
+        )
         result = eval_passkey(checkpoint, passkey, data_dir, **options)
     run_dir = Path(result["runs"][0]["checkpoint"] if kind == "by_position" else result["checkpoint"]).parent.parent
     name = "by-position.png" if kind == "by_position" else "passkey.png"

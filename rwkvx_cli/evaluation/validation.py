@@ -92,20 +92,21 @@ def eval_checkpoint(
     temperature: float = 1.0,
     top_p: float = 0.85,
     seed: int = 0,
+    reset_at_eod: bool | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
     on_progress: Progress | None = None,
 ) -> dict:
     """`rwkvx eval`: the validation figures of a checkpoint (a checkpoint dir, or a run dir: its
     newest good one) on its run's validation split (or `data_dir`'s), under the run's train.precision
-    (fp32 where this device cannot run it) and data.reset_at_eod; with `prompt`, also a sampled
-    continuation. `on_progress`:
+    (fp32 where this device cannot run it) and data.reset_at_eod (`reset_at_eod`: True or False
+    instead, see open_checkpoint); with `prompt`, also a sampled continuation. `on_progress`:
     see `evaluate`; then ("generating", done, n_tokens), in "tokens" as all of them."""
     if prompt is not None:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("--generate: the prompt is not valid UTF-8 text") from None
-    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip)
+    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
     cfg, t = opened.config, opened.config.train
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
     start = time.perf_counter()
@@ -113,6 +114,7 @@ def eval_checkpoint(
     ev = evaluate(opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod)
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = opened.step
+    ev["reset_at_eod"] = cfg.data.reset_at_eod
     ev["checkpoint"] = str(opened.checkpoint.path)
     if prompt is not None:
         tok = opened.tokenizer

@@ -13,8 +13,9 @@ weights loader (runs/weights.py) for train.init_from, the tokenizer rule (runs/t
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rwkvx_cli.config import Config, ConfigError, config_from_dict
@@ -81,12 +82,19 @@ def open_checkpoint(
     data_dir: Path | None = None,
     on_skip: OnSkip | None = None,
     check: Callable[[Config], None] | None = None,
+    reset_at_eod: bool | None = None,
 ) -> Opened:
     """Open a checkpoint for evaluation or inference. `device` / `precision`: as train.device /
     train.precision (None: the run's own settings), with what this machine lacks falling back to
     the CPU and fp32. `data_dir`: where the run's tokenizer.json is (None: the run's data, as
-    training found it). `check(config)` may refuse the model before any weights are read."""
+    training found it). `check(config)` may refuse the model before any weights are read.
+    `reset_at_eod`: evaluate with (True) or without (False) document starts at end-of-document
+    tokens whatever the run trained with (None: as it trained); `opened.config` says which."""
     ckpt = find_checkpoint(path, on_skip)
+    if reset_at_eod is not None and reset_at_eod != ckpt.config.data.reset_at_eod:
+        data = copy.deepcopy(ckpt.meta["config"])
+        data.setdefault("data", {})["reset_at_eod"] = reset_at_eod
+        ckpt = replace(ckpt, config=config_from_dict(data))  # refuses a kind that does not reset, in one line
     cfg = ckpt.config
     if check is not None:
         check(cfg)

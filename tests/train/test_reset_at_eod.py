@@ -84,3 +84,25 @@ def test_kinds_that_cannot_reset_are_refused_in_one_line(tmp_path, documents, la
     assert result.exit_code == 2, result.output
     assert "does not reset at document starts yet" in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _eval(run, *flags) -> dict:
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), "--json", *flags])
+    assert result.exit_code == 0, result.output
+    return json.loads(result.stdout)
+
+
+def test_eval_reads_a_run_either_way(tmp_path, documents):
+    """--reset-at-eod / --no-reset-at-eod evaluate as the flag says whatever the run trained with
+    (the ablation's two evaluations); without either, as it trained."""
+    run = tmp_path / "packed"
+    train(*tiny_args(run, documents, "train.tokens=512"))
+    default, carried, reset = _eval(run), _eval(run, "--no-reset-at-eod"), _eval(run, "--reset-at-eod")
+    assert [e["reset_at_eod"] for e in (default, carried, reset)] == [False, False, True]
+    assert default["loss"] == carried["loss"] != reset["loss"]
+    validated = [r["val_loss"] for r in rows(run) if r.get("val_loss") is not None]
+    assert carried["loss"] == pytest.approx(validated[-1], rel=1e-6)
+    by_position = _eval(run, "--by-position", "--max-len", "64", "--reset-at-eod")
+    assert [r["reset_at_eod"] for r in by_position["runs"]] == [True]
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), "--tasks", "lambada_openai", "--reset-at-eod"])
+    assert result.exit_code == 2 and "--tasks" in result.stderr and "Traceback" not in result.output

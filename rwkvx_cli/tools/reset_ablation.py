@@ -1,0 +1,191 @@
+"""The document-boundary ablation's figures: runs trained with and without data.reset_at_eod, each
+evaluated both ways (docs/training.md#should-i-reset-at-document-boundaries).
+
+    python -m rwkvx_cli.tools.reset_ablation RUN... [--max-len 8192] [--png PATH] [--json PATH]
+
+Each RUN is a finished run directory (its newest good checkpoint is read). For every run and both
+evaluation settings (a fresh state at each end-of-document token, or the state carried across):
+- the validation loss over the split's consecutive windows of the run's ctx_len (what `rwkvx eval
+  --reset-at-eod` / `--no-reset-at-eod` print);
+- that loss by the predicted token's position in its document (0: the document's first token);
+- the loss by position in long streams read with the state carried (`rwkvx eval --by-position`),
+  where a model that never resets meets more documents in its state than it trained on.
+The table gives each figure's mean and sample standard deviation over the runs of one training
+setting (the seeds); the picture draws the last two, one line per training x evaluation setting.
+"""
+
+from __future__ import annotations
+
+import argparse
+import io
+import json
+import statistics
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from rwkvx_cli.evaluation.long_context import loss_by_position, streams_of, token_losses
+from rwkvx_cli.fsio import atomic_write_bytes
+from rwkvx_cli.models import document_starts
+from rwkvx_cli.runs import find_checkpoint, open_checkpoint
+from rwkvx_cli.runs.data import open_data
+
+# Buckets of the position in the document, [lo, hi): the first token, the first line (a speaker's
+# name in the bundled Shakespeare), then octaves.
+DOC_BUCKETS = ((0, 1), (1, 4), (4, 16), (16, 64), (64, 256), (256, 1 << 30))
+
+
+def document_positions(tokens: np.ndarray, eod_id: int) -> np.ndarray:
+    """For each token, its offset from the first token of its document: 0 right after an
+    end-of-document token (and at the split's first token); the end-of-document token itself ends
+    its document, so it gets the document's length."""
+    n = len(tokens)
+    idx = np.arange(n)
+    after_eod = np.zeros(n, dtype=bool)
+    after_eod[0] = True
+    after_eod[1:] = tokens[:-1] == eod_id
+    last_start = np.maximum.accumulate(np.where(after_eod, idx, 0))
+    return idx - last_start
+
+
+@torch.no_grad()
+def window_losses(opened, tokens: np.ndarray, reset: bool, batch: int = 16) -> tuple[np.ndarray, np.ndarray]:
+    """Every next-token loss over the split's consecutive windows of the run's ctx_len, each window
+    from a zero state (as validation reads them), and the stream index of each predicted token."""
+    ctx = opened.config.train.ctx_len
+    n = (len(tokens) - 1) // ctx
+    arr = torch.from_numpy(tokens[: n * ctx + 1].astype(np.int64))
+    x, y = arr[:-1].view(n, ctx), arr[1:].view(n, ctx)
+    eod = opened.tokenizer.eod_id if reset else None
+    losses = []
+    for lo in range(0, n, batch):
+        xb = x[lo : lo + batch].to(opened.runtime.device)
+        with opened.runtime.autocast():
+            h, _ = opened.model.hidden(xb, None, document_starts(xb, eod))
+        losses.append(token_losses(opened.model, h, y[lo : lo + batch], opened.runtime))
+    return torch.cat(losses).reshape(-1).double().numpy(), np.arange(1, n * ctx + 1)
+
+
+def evaluate_run(run: Path, max_len: int | None) -> dict:
+    """A run's figures under both evaluation settings."""
+    result = {"run": str(run), "trained_reset": find_checkpoint(run).config.data.reset_at_eod}
+    for reset in (False, True):
+        opened = open_checkpoint(run, reset_at_eod=reset)
+        tokens = np.asarray(open_data(opened.config, opened.checkpoint.run_dir, None, check_train=False).val.tokens)
+        losses, where = window_losses(opened, tokens, reset)
+        pos = document_positions(tokens, opened.tokenizer.eod_id)[where]
+        by_doc = [float(losses[(pos >= lo) & (pos < hi)].mean()) for lo, hi in DOC_BUCKETS]
+        streams, length = streams_of(tokens, max_len)
+        stream = loss_by_position(
+            opened.model, streams, opened.runtime, reset_at=opened.tokenizer.eod_id if reset else None
+        )
+        result["eval_reset" if reset else "eval_carry"] = {
+            "loss": float(losses.mean()),
+            "by_document_position": by_doc,
+            "by_stream_position": stream["buckets"],
+            "stream_len": length,
+            "step": opened.step,
+        }
+    return result
+
+
+def _mean_sd(values: list[float]) -> str:
+    sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+    return f"{statistics.fmean(values):.4f} ± {sd:.4f}"
+
+
+def table(results: list[dict]) -> str:
+    """The markdown table: per training x evaluation setting, the loss overall and by document position."""
+    head = ["trained", "evaluated", "runs", "val loss (nats)"]
+    head += [
+        f"pos {lo}" if hi == lo + 1 else (f"pos {lo}-{hi - 1}" if hi < 1 << 20 else f"pos {lo}+")
+        for lo, hi in DOC_BUCKETS
+    ]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    for trained in (False, True):
+        group = [r for r in results if r["trained_reset"] == trained]
+        if not group:
+            continue
+        for key in ("eval_carry", "eval_reset"):
+            cells = [
+                _label(trained),
+                _label(key == "eval_reset"),
+                str(len(group)),
+                _mean_sd([r[key]["loss"] for r in group]),
+            ]
+            for i in range(len(DOC_BUCKETS)):
+                cells.append(f"{statistics.fmean(r[key]['by_document_position'][i] for r in group):.3f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def _bucket(lo: int, hi: int) -> str:
+    return f"pos {lo}" if hi == lo + 1 else f"pos {lo}-{hi - 1}" if hi < 1 << 20 else f"pos {lo}+"
+
+
+def _label(reset: bool) -> str:
+    return "reset" if reset else "carried"
+
+
+def plot(results: list[dict], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    colors = {False: "tab:blue", True: "tab:orange"}
+    for r in results:
+        for key, style in (("eval_carry", "-"), ("eval_reset", "--")):
+            c = colors[r["trained_reset"]]
+            e = r[key]
+            label = f"trained {_label(r['trained_reset'])}, evaluated {_label(key == 'eval_reset')}"
+            xs = [max(lo, 0.5) for lo, _ in DOC_BUCKETS]
+            left.plot(xs, e["by_document_position"], style, color=c, marker="o", ms=3, alpha=0.8, label=label)
+            b = e["by_stream_position"]
+            right.plot(
+                [x["hi"] for x in b], [x["loss"] for x in b], style, color=c, marker="o", ms=3, alpha=0.8, label=label
+            )
+    left.set(
+        xscale="log",
+        xlabel="position of the predicted token in its document (bucket start)",
+        ylabel="loss (nats)",
+        title="validation windows, by position in the document",
+    )
+    right.set(
+        xscale="log",
+        xlabel="position in a stream read with its state carried (bucket end)",
+        ylabel="loss (nats)",
+        title="long streams across documents (--by-position)",
+    )
+    handles, labels = left.get_legend_handles_labels()
+    seen = dict(zip(labels, handles, strict=True))
+    left.legend(seen.values(), seen.keys(), fontsize=8)
+    for ax in (left, right):
+        ax.grid(alpha=0.3)
+    fig.tight_layout()
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    atomic_write_bytes(path, buf.getvalue())
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("--max-len", type=int, default=8192, help="the long streams' length (--by-position)")
+    parser.add_argument("--png", type=Path, default=None)
+    parser.add_argument("--json", type=Path, default=None)
+    args = parser.parse_args(argv)
+    results = [evaluate_run(run, args.max_len) for run in args.runs]
+    print(table(results))
+    if args.json is not None:
+        atomic_write_bytes(args.json, json.dumps(results, indent=1).encode())
+    if args.png is not None:
+        plot(results, args.png)
+        print(f"wrote {args.png}")
+
+
+if __name__ == "__main__":
+    main()
