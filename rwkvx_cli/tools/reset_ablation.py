@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from rwkvx_cli.evaluation.long_context import loss_by_position, streams_of, token_losses
+from rwkvx_cli.evaluation.long_context import loss_by_position, read, streams_of, token_losses
 from rwkvx_cli.fsio import atomic_write_bytes
 from rwkvx_cli.models import document_starts
 from rwkvx_cli.runs import find_checkpoint, open_checkpoint
@@ -67,6 +67,25 @@ def window_losses(opened, tokens: np.ndarray, reset: bool, batch: int = 16) -> t
     return torch.cat(losses).reshape(-1).double().numpy(), np.arange(1, n * ctx + 1)
 
 
+@torch.no_grad()
+def whole_read_losses(opened, tokens: np.ndarray, reset: bool) -> np.ndarray:
+    """Every next-token loss of the split read as one stream with the state carried (in pieces): with
+    `reset`, every document is read whole from its own start, as document-aligned windows longer
+    than every document would read it."""
+    x = torch.from_numpy(tokens.astype(np.int64))
+    out = np.empty(len(tokens) - 1)
+
+    def score(lo, h):
+        out[lo : lo + h.shape[1]] = token_losses(
+            opened.model, h, x[None, lo + 1 : lo + 1 + h.shape[1]], opened.runtime
+        )[0]
+
+    read(
+        opened.model, x[None, :-1], opened.runtime, on_chunk=score, reset_at=opened.tokenizer.eod_id if reset else None
+    )
+    return out
+
+
 def evaluate_run(run: Path, max_len: int | None) -> dict:
     """A run's figures under both evaluation settings."""
     result = {"run": str(run), "trained_reset": find_checkpoint(run).config.data.reset_at_eod}
@@ -76,6 +95,9 @@ def evaluate_run(run: Path, max_len: int | None) -> dict:
         losses, where = window_losses(opened, tokens, reset)
         pos = document_positions(tokens, opened.tokenizer.eod_id)[where]
         by_doc = [float(losses[(pos >= lo) & (pos < hi)].mean()) for lo, hi in DOC_BUCKETS]
+        ctx = opened.config.train.ctx_len
+        cut = where - pos < (where - 1) // ctx * ctx  # the document began before its window's first token
+        whole = whole_read_losses(opened, tokens, reset)[where - 1]
         streams, length = streams_of(tokens, max_len)
         stream = loss_by_position(
             opened.model, streams, opened.runtime, reset_at=opened.tokenizer.eod_id if reset else None
@@ -83,6 +105,10 @@ def evaluate_run(run: Path, max_len: int | None) -> dict:
         result["eval_reset" if reset else "eval_carry"] = {
             "loss": float(losses.mean()),
             "by_document_position": by_doc,
+            "whole_read_loss": float(whole.mean()),
+            "cut_share": float(cut.mean()),
+            "cut_loss": float(losses[cut].mean()),
+            "cut_whole_read_loss": float(whole[cut].mean()),
             "by_stream_position": stream["buckets"],
             "stream_len": length,
             "step": opened.step,
@@ -116,6 +142,23 @@ def table(results: list[dict]) -> str:
             ]
             for i in range(len(DOC_BUCKETS)):
                 cells.append(f"{statistics.fmean(r[key]['by_document_position'][i] for r in group):.3f}")
+            lines.append("| " + " | ".join(cells) + " |")
+    return "\n".join(lines)
+
+
+def alignment_table(results: list[dict]) -> str:
+    """What document-aligned windows could gain: per training and evaluation setting, the share of
+    predicted tokens whose document began before their window, their loss in the window and read
+    with their whole document before them, and the split's loss both ways."""
+    head = ["trained", "evaluated", "cut share", "cut: in window", "cut: whole document", "all: in window"]
+    head += ["all: whole document"]
+    lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+    keys = ("cut_share", "cut_loss", "cut_whole_read_loss", "loss", "whole_read_loss")
+    for trained in (False, True):
+        group = [r for r in results if r["trained_reset"] == trained]
+        for key in ("eval_carry", "eval_reset") if group else ():
+            cells = [_label(trained), _label(key == "eval_reset")]
+            cells += [f"{statistics.fmean(r[key][k] for r in group):.4f}" for k in keys]
             lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
@@ -180,6 +223,8 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     results = [evaluate_run(run, args.max_len) for run in args.runs]
     print(table(results))
+    print()
+    print(alignment_table(results))
     if args.json is not None:
         atomic_write_bytes(args.json, json.dumps(results, indent=1).encode())
     if args.png is not None:
