@@ -171,41 +171,65 @@ def _label(reset: bool) -> str:
     return "reset" if reset else "carried"
 
 
+COMBOS = ((False, "eval_carry"), (False, "eval_reset"), (True, "eval_carry"), (True, "eval_reset"))
+STREAM_FROM = 64  # the long streams' buckets drawn: the earlier ones hold a few tokens per stream
+
+
 def plot(results: list[dict], path: Path) -> None:
+    """Three panels, one colour per training setting, solid: evaluated carried, dashed: reset. The
+    validation loss (bars: the mean, dots: each run); then, by position in the document and along long
+    streams, the mean loss minus that of the runs trained and evaluated carried (RWKV-LM's way)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
+    fig, (bars, docs, streams) = plt.subplots(1, 3, figsize=(15, 4.4), gridspec_kw={"width_ratios": [0.8, 1.2, 1.2]})
     colors = {False: "tab:blue", True: "tab:orange"}
-    for r in results:
-        for key, style in (("eval_carry", "-"), ("eval_reset", "--")):
-            c = colors[r["trained_reset"]]
-            e = r[key]
-            label = f"trained {_label(r['trained_reset'])}, evaluated {_label(key == 'eval_reset')}"
-            xs = [max(lo, 0.5) for lo, _ in DOC_BUCKETS]
-            left.plot(xs, e["by_document_position"], style, color=c, marker="o", ms=3, alpha=0.8, label=label)
-            b = e["by_stream_position"]
-            right.plot(
-                [x["hi"] for x in b], [x["loss"] for x in b], style, color=c, marker="o", ms=3, alpha=0.8, label=label
-            )
-    left.set(
-        xscale="log",
-        xlabel="position of the predicted token in its document (bucket start)",
-        ylabel="loss (nats)",
-        title="validation windows, by position in the document",
-    )
-    right.set(
-        xscale="log",
-        xlabel="position in a stream read with its state carried (bucket end)",
-        ylabel="loss (nats)",
-        title="long streams across documents (--by-position)",
-    )
-    handles, labels = left.get_legend_handles_labels()
-    seen = dict(zip(labels, handles, strict=True))
-    left.legend(seen.values(), seen.keys(), fontsize=8)
-    for ax in (left, right):
+    names = [_bucket(lo, hi).removeprefix("pos ") for lo, hi in DOC_BUCKETS]
+    base = [r for r in results if not r["trained_reset"]]
+
+    def mean_curve(group, key, field, pick):
+        """Per bucket, the mean over runs of pick(run's bucket) minus the same for the baseline's runs."""
+        n = len(group[0][key][field])
+        return [statistics.fmean(pick(r[key][field][b]) for r in group) for b in range(n)]
+
+    def delta(group, key, field, pick):
+        ref = mean_curve(base, "eval_carry", field, pick) if base else None
+        own = mean_curve(group, key, field, pick)
+        return own if ref is None else [a - b for a, b in zip(own, ref, strict=True)]
+
+    for i, (trained, key) in enumerate(COMBOS):
+        group = [r for r in results if r["trained_reset"] == trained]
+        if not group:
+            continue
+        c, style = colors[trained], "--" if key == "eval_reset" else "-"
+        label = f"trained {_label(trained)}, evaluated {_label(key == 'eval_reset')}"
+        losses = [r[key]["loss"] for r in group]
+        bars.bar(i, statistics.fmean(losses), color=c, alpha=0.35 if key == "eval_reset" else 0.8, label=label)
+        bars.plot([i] * len(losses), losses, "k.", ms=4)
+        docs.plot(
+            range(len(names)),
+            delta(group, key, "by_document_position", float),
+            style,
+            color=c,
+            marker="o",
+            ms=3,
+            label=label,
+        )
+        hi = [b["hi"] for b in group[0][key]["by_stream_position"]]
+        keep = [k for k, b in enumerate(group[0][key]["by_stream_position"]) if b["lo"] >= STREAM_FROM]
+        curve = delta(group, key, "by_stream_position", lambda b: b["loss"])
+        streams.plot([hi[k] for k in keep], [curve[k] for k in keep], style, color=c, marker="o", ms=3, label=label)
+    lo = min(r[k]["loss"] for r in results for k in ("eval_carry", "eval_reset"))
+    bars.set(ylim=(lo - 0.03, None), xticks=[], ylabel="validation loss (nats)", title="validation windows")
+    docs.set(xticks=range(len(names)), xticklabels=names, xlabel="position of the predicted token in its document")
+    docs.set(ylabel="loss - trained and evaluated carried (nats)", title="by position in the document")
+    streams.set(xscale="log", xlabel="position in a stream read with its state carried")
+    streams.set(ylabel="loss - trained and evaluated carried (nats)")
+    streams.set(title=f"long streams across documents (--by-position, from {STREAM_FROM})")
+    docs.legend(fontsize=8)
+    for ax in (docs, streams):
         ax.grid(alpha=0.3)
     fig.tight_layout()
     buf = io.BytesIO()
@@ -216,12 +240,18 @@ def plot(results: list[dict], path: Path) -> None:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("runs", nargs="+", type=Path)
+    parser.add_argument("runs", nargs="*", type=Path)
     parser.add_argument("--max-len", type=int, default=8192, help="the long streams' length (--by-position)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
+    parser.add_argument(
+        "--from-json", type=Path, default=None, help="redraw from an earlier --json instead of evaluating"
+    )
     args = parser.parse_args(argv)
-    results = [evaluate_run(run, args.max_len) for run in args.runs]
+    if args.from_json is not None:
+        results = json.loads(args.from_json.read_text())
+    else:
+        results = [evaluate_run(run, args.max_len) for run in args.runs]
     print(table(results))
     print()
     print(alignment_table(results))
