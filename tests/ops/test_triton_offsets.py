@@ -124,8 +124,8 @@ def ttir(kernel, pointers, ints, constexprs):
 out = {
     "wkv7": ttir(wkv7._fwd_kernel, "r w k v a b s0 y s_out snaps", "T H NC",
                  {"N": 64, "BK": 64, "BV": 32, "CHUNK": 16, "DT": tl.float32}),
-    "wkv4": ttir(wkv4._fwd_kernel, "w u k v aa0 bb0 pp0 y aaT bbT ppT snaps", "T C NC",
-                 {"BC": 64, "CHUNK": 16, "DT": tl.float32}),
+    "wkv4": ttir(wkv4._fwd_kernel, "w u k v aa0 bb0 pp0 starts y aaT bbT ppT snaps", "T C NC",
+                 {"BC": 64, "CHUNK": 16, "HAS_STARTS": True, "DT": tl.float32}),
 }
 json.dump(out, open(sys.argv[1], "w"))
 """

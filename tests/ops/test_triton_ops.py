@@ -236,8 +236,8 @@ def test_wkv4_fwd_op_equals_a_direct_launch():
     BC, NC = wkv4_ft._block(C), triton.cdiv(T, tr.CHUNK)
     want = [torch.empty_like(k), *(torch.empty_like(aa) for _ in range(3)), aa.new_empty(B, NC, 3, C)]
     wkv4_ft._fwd_kernel[(B, triton.cdiv(C, BC))](
-        w, u, k, v, aa, bb, pp, *want, T, C, BC, tr.CHUNK, NC, triton.language.float32
-    )
+        w, u, k, v, aa, bb, pp, k, *want, T, C, BC, tr.CHUNK, NC, False, triton.language.float32
+    )  # (no starts: the pointer is any tensor, HAS_STARTS=False)
     for g, ref in zip(got, want, strict=True):
         assert torch.equal(g, ref)
 

@@ -15,7 +15,6 @@ from rwkvx_cli.models.layers.common import (
     add_linear,
     depth_ratios,
     orthogonal_scaled_,
-    refuse_starts,
     shifted,
     upcast,
 )
@@ -62,11 +61,11 @@ class RWKV4TimeMix(nn.Module):
     def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
         """`graph`: PLAIN, or LRP's modified graph (explain/graph.py), for which the receptance gate r
         and the key k (the WKV weights) are constants, so relevance reaches x through the value alone
-        (docs/explain.md#rwkv-4-time-mix)."""
-        refuse_starts("rwkv4", starts)
+        (docs/explain.md#rwkv-4-time-mix). `starts` (bool [B, T]): document starts, where the token
+        shift and the recurrence begin from the fresh state."""
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
-        xx = shifted(x, state["shift"] if state else None)
+        xx = shifted(x, state["shift"] if state else None, starts)
         xk, xr = (x * m + xx * (1 - m) for m in (self.time_mix_k, self.time_mix_r))
         xv = graph.sum(x * self.time_mix_v + xx * (1 - self.time_mix_v))
         k = graph.const(self.key(xk).view(B, T, H, N))
@@ -74,7 +73,8 @@ class RWKV4TimeMix(nn.Module):
         r = graph.const(torch.sigmoid(self.receptance(xr)))
         wkv_state = (state["aa"], state["bb"], state["pp"]) if state else None
         w = -torch.exp(upcast(self.time_decay)).view(H, N)
-        y, (aa, bb, pp) = graph.op(wkv4)(w, upcast(self.time_first).view(H, N), upcast(k), upcast(v), wkv_state)
+        ins = (w, upcast(self.time_first).view(H, N), upcast(k), upcast(v))
+        y, (aa, bb, pp) = graph.op(wkv4)(*ins, wkv_state, **({} if starts is None else {"starts": starts}))
         out = graph.sum(self.output(r * y.reshape(B, T, C).to(r.dtype)))
         return out, v_first, {"shift": x[:, -1], "aa": aa, "bb": bb, "pp": pp}
 
@@ -83,17 +83,16 @@ class RWKV4TimeMix(nn.Module):
         x·m + x_{t-1}·(1 - m) is shift_mix's lerp with weight 1 - m), which also passes the residual
         stream on (its gradient summed in the kernel), and the output projection summed into the
         residual in one addmm."""
-        refuse_starts("rwkv4", starts)
         B, T, C = x.shape
         H, N = self.n_head, self.head_size
         mix = 1 - torch.cat([self.time_mix_k, self.time_mix_v, self.time_mix_r], dim=1).view(3, C)
         shift = state["shift"] if state else None
-        (xk, xv, xr), shift, x = shift_mix(x, ln.weight, ln.bias, mix, shift, eps=ln.eps, residual=True)
+        (xk, xv, xr), shift, x = shift_mix(x, ln.weight, ln.bias, mix, shift, eps=ln.eps, residual=True, starts=starts)
         k, v = self.key(xk).view(B, T, H, N), self.value(xv).view(B, T, H, N)
         r = torch.sigmoid(self.receptance(xr))
         wkv_state = (state["aa"], state["bb"], state["pp"]) if state else None
         w = -torch.exp(upcast(self.time_decay)).view(H, N)
-        y, (aa, bb, pp) = wkv4(w, upcast(self.time_first).view(H, N), upcast(k), upcast(v), wkv_state)
+        y, (aa, bb, pp) = wkv4(w, upcast(self.time_first).view(H, N), upcast(k), upcast(v), wkv_state, starts=starts)
         out = add_linear(x, r * y.reshape(B, T, C).to(r.dtype), self.output)
         return out, v_first, {"shift": shift, "aa": aa, "bb": bb, "pp": pp}
 

@@ -10,7 +10,11 @@ C = H*N). `w` is the log of the per-step decay, like wkv7's `w`: RWKV-4's
 `time_first` itself. The state is (aa, bb, pp), each [B, H, N], fp32 (fp64 for
 fp64 inputs): the running sums A = aa e^pp, B = bb e^pp with pp their running
 maximum log-weight, so every exponent the op takes is <= 0 and no T or k
-overflows. A fresh state is (0, 0, -1e38).
+overflows. A fresh state is (0, 0, -1e38). With `starts` (bool [B, T]) the state
+before a token that starts a document is the fresh state, and no gradient reaches
+back past it (docs/operators.md#document-starts). The decay is per channel, not per
+token, so no rewrite of the inputs can reset the state: every backend takes `starts`
+itself (Backend.resets).
 
 Gradient of pp: not zero. A state is defined up to the shift (aa e^c, bb e^c, pp - c),
 which leaves every output unchanged, so dL/dpp = aa dL/daa + bb dL/dbb + D, where D
@@ -32,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._checks import check_same_layout, check_state
+from rwkvx_cli.ops._checks import check_same_layout, check_starts, check_state
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("w", "u", "k", "v")
@@ -49,6 +53,7 @@ def wkv4(
     v: torch.Tensor,
     state: State | None = None,
     *,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, State]:
     """Run the WKV4 recurrence; returns (y [B,T,H,N], (aa, bb, pp) each [B,H,N]).
@@ -56,7 +61,9 @@ def wkv4(
     Differentiable with respect to w, u, k, v and the initial state, and through
     the final state, so consecutive segments can be chained. w and u may have
     another floating dtype than k and v (e.g. fp32 parameters with bf16
-    activations); their gradients come back in their own dtype.
+    activations); their gradients come back in their own dtype. `starts` (bool
+    [B, T]): where True, the state before that token is the fresh state (a document
+    starts).
     """
     check_same_layout(("k", "v"), (k, v), ndim=4)
     B, T, H, N = k.shape
@@ -74,10 +81,13 @@ def wkv4(
         for name, s in zip(STATES, state, strict=True):
             check_state(f"state {name}", s, (B, H, N), k.device)
         state = tuple(state)
-    bk = resolve_backend(get_op("wkv4"), backend, k.device)
+    starts = check_starts(starts, B, T, k.device)
+    spec = get_op("wkv4")
+    bk = resolve_backend(spec, backend, k.device)
     if k.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of wkv4 does not support float64 inputs")
-    return bk.fn(w, u, k, v, state)
+    x, extra = spec.with_starts(bk, dict(zip(INPUTS, (w, u, k, v), strict=True)), starts)
+    return bk.fn(*x.values(), state, **extra)
 
 
 def _per_channel(name: str, x: torch.Tensor, H: int, N: int, device: torch.device) -> torch.Tensor:

@@ -7,7 +7,9 @@ csrc/wkv4_cpu.cpp for the backward's formulas (the
 state gradients (ga, gb, gp) carried with D = gp - ga aa - gb bb). The forward saves the state
 every CHUNK steps; the backward recomputes each chunk's states into a scratch
 buffer and runs the reverse scan. dw and du are written per batch row and
-summed by torch.
+summed by torch. With document starts (HAS_STARTS, one byte per batch row and
+step) every kernel sets the state to the fresh one before a start's step, and
+the backward zeroes the state gradients there (docs/operators.md#document-starts).
 
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32.
@@ -39,6 +41,16 @@ from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
 if triton is not None:
 
     @triton.jit
+    def _fresh(starts, i, ok):
+        """Whether step i (an offset into bool `starts`, read where the scalar ok) starts a document."""
+        return tl.load(starts + i, mask=ok, other=0).to(tl.int1)
+
+    @triton.jit
+    def _reset(a, b, p, fresh):
+        """The state, or the fresh state (0, 0, -1e38) where a document starts."""
+        return tl.where(fresh, 0.0, a), tl.where(fresh, 0.0, b), tl.where(fresh, -1e38, p)
+
+    @triton.jit
     def _update(a, b, p, wv, kt, vt):
         """One step of the state: pp' = max(pp + w, k); also returns s = [pp + w >= k], f1, f2, err.
         Exponents are differences first, (pp - k) + w, exact for close large pp and k."""
@@ -68,10 +80,10 @@ if triton is not None:
 
     @triton.jit
     def _fwd_kernel(
-        w, u, k, v, aa0, bb0, pp0,
+        w, u, k, v, aa0, bb0, pp0, starts,
         y, aaT, bbT, ppT, snaps,
         T, C,
-        BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        BC: tl.constexpr, CHUNK: tl.constexpr, NC, HAS_STARTS: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)  # i64: (b * T + t) * C passes 2^31 at production sizes
         cols = tl.program_id(1) * BC + tl.arange(0, BC)
@@ -82,6 +94,8 @@ if triton is not None:
         bs = tl.load(bb0 + b * C + cols, mask=mc, other=0.0).to(DT)
         p = tl.load(pp0 + b * C + cols, mask=mc, other=0.0).to(DT)
         for t in range(T):
+            if HAS_STARTS:  # before the snapshot: the backward's recomputation starts there
+                a, bs, p = _reset(a, bs, p, _fresh(starts, b * T + t, t < T))
             if t % CHUNK == 0:
                 snap = snaps + (b * NC + t // CHUNK) * 3 * C + cols
                 tl.store(snap, a, mask=mc)
@@ -99,11 +113,11 @@ if triton is not None:
 
     @triton.jit
     def _bwd_kernel(
-        w, u, k, v, aaT, bbT, snaps, dy, daaT, dbbT, dppT,
+        w, u, k, v, aaT, bbT, snaps, starts, dy, daaT, dbbT, dppT,
         scratch,
         dk, dv, daa0, dbb0, dpp0, dw_rows, du_rows,
         T, C,
-        BC: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        BC: tl.constexpr, CHUNK: tl.constexpr, NC, HAS_STARTS: tl.constexpr, DT: tl.constexpr,
     ):  # fmt: skip
         b = tl.program_id(0).to(tl.int64)  # i64: (b * T + t) * C passes 2^31 at production sizes
         ic = tl.program_id(1)
@@ -131,6 +145,8 @@ if triton is not None:
             for i in range(CHUNK):  # recompute the chunk's states before each step
                 ok = mc & ((cols * 0 + t0 + i) < T)  # the last chunk may be partial
                 base = (b * T + t0 + i) * C + cols
+                if HAS_STARTS:
+                    a, bs, p = _reset(a, bs, p, _fresh(starts, b * T + t0 + i, t0 + i < T))
                 tl.store(scr + i * 3 * BC, a)
                 tl.store(scr + i * 3 * BC + BC, bs)
                 tl.store(scr + i * 3 * BC + 2 * BC, p)
@@ -167,6 +183,10 @@ if triton is not None:
                 gu = gu + tl.where(ok, gy, 0.0)
                 tl.store(dk + base, (gk + gy).to(dk.dtype.element_ty), mask=ok)
                 tl.store(dv + base, (gv + g * e2).to(dv.dtype.element_ty), mask=ok)
+                if HAS_STARTS:  # the state before a start is a constant: no gradient reaches past it
+                    fresh = _fresh(starts, b * T + t0 + i, t0 + i < T)
+                    ga, gb = tl.where(fresh, 0.0, ga), tl.where(fresh, 0.0, gb)
+                    gp, D = tl.where(fresh, 0.0, gp), tl.where(fresh, 0.0, D)
         tl.store(daa0 + st, ga, mask=mc)
         tl.store(dbb0 + st, gb, mask=mc)
         tl.store(dpp0 + st, gp, mask=mc)
@@ -192,11 +212,11 @@ def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
 
 @triton_op("rwkvx::wkv4_triton_fwd")
 def wkv4_triton_fwd(
-    w: Tensor, u: Tensor, k: Tensor, v: Tensor, aa: Tensor, bb: Tensor, pp: Tensor
+    w: Tensor, u: Tensor, k: Tensor, v: Tensor, aa: Tensor, bb: Tensor, pp: Tensor, starts: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward kernel: w, u [H, N] (w the log decay), k, v [B, T, H, N], all in one dtype,
-    and the state aa, bb, pp [B, H, N] in the compute dtype. Returns (y in the inputs' dtype,
-    aa, bb, pp at the end, snapshots [B, NC, 3, H * N])."""
+    the state aa, bb, pp [B, H, N] in the compute dtype, starts bool [B, T] or None. Returns (y
+    in the inputs' dtype, aa, bb, pp at the end, snapshots [B, NC, 3, H * N])."""
     B, T, H, N = k.shape
     C = H * N
     w, u, k, v, aa, bb, pp = (x.contiguous() for x in (w, u, k, v, aa, bb, pp))
@@ -205,7 +225,10 @@ def wkv4_triton_fwd(
     y = torch.empty_like(k)
     s_out = [torch.empty_like(aa) for _ in range(3)]
     snaps = aa.new_empty(B, NC, 3, C)
-    wrap_triton(_fwd_kernel)[(B, triton.cdiv(C, BC))](w, u, k, v, aa, bb, pp, y, *s_out, snaps, T, C, BC, CHUNK, NC, DT)
+    flags = k if starts is None else starts.contiguous()
+    wrap_triton(_fwd_kernel)[(B, triton.cdiv(C, BC))](
+        w, u, k, v, aa, bb, pp, flags, y, *s_out, snaps, T, C, BC, CHUNK, NC, starts is not None, DT
+    )
     return (y, *s_out, snaps)
 
 
@@ -222,10 +245,12 @@ def wkv4_triton_bwd(
     daa: Tensor,
     dbb: Tensor,
     dpp: Tensor,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernel: the forward's inputs, its final aa, bb and snapshots, the
-    cotangents of y and of the final state in the compute dtype. Returns (dw, du, dk, dv,
-    daa, dbb, dpp) in the compute dtype (dw, du summed over the batch rows)."""
+    cotangents of y and of the final state in the compute dtype, and the forward's starts.
+    Returns (dw, du, dk, dv, daa, dbb, dpp) in the compute dtype (dw, du summed over the batch
+    rows)."""
     B, T, H, N = k.shape
     C = H * N
     w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp = (
@@ -239,33 +264,35 @@ def wkv4_triton_bwd(
     dk, dv = empty(B, T, H, N), empty(B, T, H, N)
     ds0 = [empty(B, H, N) for _ in range(3)]
     dw_rows, du_rows = empty(B, H, N), empty(B, H, N)
+    flags = k if starts is None else starts.contiguous()
     wrap_triton(_bwd_kernel)[grid](
-        w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp, scratch, dk, dv, *ds0, dw_rows, du_rows,
-        T, C, BC, CHUNK, NC, DT,
+        w, u, k, v, aaT, bbT, snaps, flags, dy, daa, dbb, dpp, scratch, dk, dv, *ds0, dw_rows, du_rows,
+        T, C, BC, CHUNK, NC, starts is not None, DT,
     )  # fmt: skip
     return (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
 
 
 class _WKV4Triton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, w, u, k, v, aa, bb, pp):
+    def forward(ctx, w, u, k, v, aa, bb, pp, starts):
         B, T, H, N = k.shape
         C = H * N
         index_offsets(B, T, C)  # before any copy or allocation
         ins, s0, _, _ = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
-        y, aaT, bbT, ppT, snaps = torch.ops.rwkvx.wkv4_triton_fwd(*ins, *s0)
-        ctx.save_for_backward(*ins, aaT, bbT, snaps)
+        y, aaT, bbT, ppT, snaps = torch.ops.rwkvx.wkv4_triton_fwd(*ins, *s0, starts)
+        ctx.save_for_backward(*ins, aaT, bbT, snaps, starts)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
         return y, aaT, bbT, ppT
 
     @staticmethod
     def backward(ctx, dy, daa, dbb, dpp):
-        w, u, k, v, aaT, bbT, snaps = ctx.saved_tensors
+        w, u, k, v, aaT, bbT, snaps, starts = ctx.saved_tensors
         (dy,), dstate, _, _ = prepare((dy,), (daa, dbb, dpp), k.dtype)
-        grads = torch.ops.rwkvx.wkv4_triton_bwd(w, u, k, v, aaT, bbT, snaps, dy, *dstate)
-        return cast_back(grads, ctx.dtypes)
+        grads = torch.ops.rwkvx.wkv4_triton_bwd(w, u, k, v, aaT, bbT, snaps, dy, *dstate, starts)
+        return (*cast_back(grads, ctx.dtypes), None)
 
 
-def wkv4_triton(w, u, k, v, state):
-    y, aa, bb, pp = _WKV4Triton.apply(w, u, k, v, *state)
+def wkv4_triton(w, u, k, v, state, *, starts=None):
+    """starts: bool [B, T] or None (docs/operators.md#document-starts)."""
+    y, aa, bb, pp = _WKV4Triton.apply(w, u, k, v, *state, starts)
     return y, (aa, bb, pp)

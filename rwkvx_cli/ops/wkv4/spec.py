@@ -27,13 +27,20 @@ def _sample(case: Case, gen: torch.Generator) -> Tensors:
     The final pp is a maximum, so the loss has a kink where its two largest candidates
     tie. With option `min_gap` (gate B's case) the draw is repeated until they are
     further apart than finite-difference steps can move them (after 100 draws the last
-    is used, and a crossed kink shows up in gate B).
+    is used, and a crossed kink shows up in gate B). With document starts, the candidates
+    are the tokens from a row's last start on (and the initial state only in a row without).
     """
-    T = case.dims["T"]
+    B, T = case.dims["B"], case.dims["T"]
     lag = (T - 1 - torch.arange(T, dtype=torch.float64))[:, None, None]
+    starts = case.starts_mask()
+    # candidate j (0: the initial state, 1 + i: token i) counts unless a start lies in (i, T)
+    after = torch.zeros(B, T + 1, dtype=torch.bool)
+    if starts is not None:
+        after[:, :T] = starts.flip(1).cumsum(1).flip(1).bool()
     for _ in range(100):
         x = _draw(case, gen)
         cand = torch.cat([(x["pp"] + T * x["w"])[:, None], x["k"] + lag * x["w"]], dim=1)
+        cand = cand.masked_fill(after[:, :, None, None], float("-inf"))
         top = cand.topk(2, dim=1).values
         if (top[:, 0] - top[:, 1]).min().item() > float(case.options.get("min_gap", 0.0)):
             break
@@ -91,8 +98,8 @@ def _flops(dims: dict[str, int], mode: str) -> float:
     return float(per * dims["B"] * dims["T"] * dims["H"] * dims["N"])
 
 
-def _case(name, B, T, H, N, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, True, options)
+def _case(name, B, T, H, N, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, True, options, starts=starts)
 
 
 SPEC = register(
@@ -111,11 +118,17 @@ SPEC = register(
             _case("ragged_T", 2, 37, 2, 16),
             _case("large_k", 1, 16, 2, 16, k_offset=80.0, k_scale=8.0, grid=True),
             _case("slow_decay", 1, 16, 2, 16, decay="slow"),
+            # Document starts at the window's first token, inside a 16-step chunk, on the chunk
+            # edges 16 and 32 (the cpu kernel's snapshot at 32), back to back and at the last token;
+            # the second row keeps its initial state to t = 15, the third for the whole window.
+            # Last, so the cases before keep their seeds (case i is sampled with seed 1000·S + i).
+            _case("doc_starts", 3, 37, 2, 16, starts=((0, 5, 16, 17, 32, 36), (15, 32), ())),
         ),
         # min_gap: a step h = 1e-3 (1 + |w|) moves the final pp's candidates k_i + (T-1-i) w
         # by up to 18 h, 0.07 at |w| = 2.7. v_scale: fp64 has no rounding to stay under,
-        # and a larger v keeps dbb (proportional to y) non-vacuous over seeds.
-        fd_case=_case("finite_diff", 1, 19, 2, 4, min_gap=0.1, v_scale=1.0),
+        # and a larger v keeps dbb (proportional to y) non-vacuous over seeds. Two starts: the
+        # initial state's gradients come from t < 7, the final pp's candidates from t >= 16.
+        fd_case=_case("finite_diff", 1, 19, 2, 4, starts=((7, 16),), min_gap=0.1, v_scale=1.0),
         backends=standard_backends(
             cpu=cpu.wkv4_cpu,
             cpu_summary=(
@@ -132,6 +145,7 @@ SPEC = register(
             chunked=wkv4_chunked,
             chunked_summary="pure torch, per-chunk log-sum-exps over 16-step chunks and a scan over chunks, autograd",
             reference=wkv4_reference,
+            resets=True,
         ),
         derived={"dtime_decay": _dtime_decay},
         cotangent_scales=(0.05, 0.05, 0.05, 0.05),

@@ -36,10 +36,10 @@ struct Entry {
 const Entry kEntries[] = {
     {"wkv7_forward", "PPPPPPPPPPPIIIIII"},
     {"wkv7_backward", "PPPPPPPPPPPPPPPPPIIIIII"},
-    {"wkv4_forward", "PPPPPPPPPPPPIIIII"},
-    {"wkv4_backward", "PPPPPPPPPPPPPPPPPPIIIII"},
-    {"rwkv8_forward", "PPPPPPPPPPIIIIIIII"},
-    {"rwkv8_backward", "PPPPPPPPPPPPPIIIIIIII"},
+    {"wkv4_forward", "PPPPPPPPPPPPPIIIII"},
+    {"wkv4_backward", "PPPPPPPPPPPPPPPPPPPIIIII"},
+    {"rwkv8_forward", "PPPPPPPPPPPIIIIIIII"},
+    {"rwkv8_backward", "PPPPPPPPPPPPPPIIIIIIII"},
     {"delta_forward", "PPPPPPPPPPIIIIIDII"},
     {"delta_backward", "PPPPPPPPPPPPPPIIIIIDII"},
     {"rwkv7_prep_forward", "PPPPPPPPPPPPPPPPPPPIIIII"},
@@ -173,8 +173,8 @@ int main(int argc, char** argv) {
                       : tags.back() == 'D'
                           ? call_void_d<8, 4>(fn, ptrs, ints, scale) || call_void_d<10, 5>(fn, ptrs, ints, scale)
                           : call_void<11, 6>(fn, ptrs, ints) || call_void<17, 6>(fn, ptrs, ints) ||
-                                call_void<12, 5>(fn, ptrs, ints) || call_void<18, 5>(fn, ptrs, ints) ||
-                                call_void<10, 8>(fn, ptrs, ints) || call_void<13, 8>(fn, ptrs, ints) ||
+                                call_void<13, 5>(fn, ptrs, ints) ||
+                                call_void<11, 8>(fn, ptrs, ints) || call_void<14, 8>(fn, ptrs, ints) ||
                                 call_void<19, 5>(fn, ptrs, ints) || call_void<33, 6>(fn, ptrs, ints) ||
                                 call_void<13, 4>(fn, ptrs, ints) || call_void<16, 5>(fn, ptrs, ints) ||
                                 call_void<2, 3>(fn, ptrs, ints) || call_void<3, 3>(fn, ptrs, ints);

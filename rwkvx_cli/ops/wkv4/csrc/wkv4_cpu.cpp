@@ -4,7 +4,9 @@
 //
 // Layout: k, v, y, dk, dv [B, T, C] contiguous (C = H*N); w, u [C]; states and
 // their gradients [B, C]; snapshots [B, n_chunks, 3, C] hold (aa, bb, pp) before
-// the first step of each chunk; dw, du are written per batch row, [B, C].
+// the first step of each chunk; dw, du are written per batch row, [B, C]. starts [B, T]
+// (bytes, 0 or 1; null: none) marks the steps where a document starts: the state before
+// them is the fresh state (0, 0, -1e38) (docs/operators.md#document-starts).
 //
 // Per channel and step (see reference.py):
 //   y_t = (e1 aa + e2 v) / (e1 bb + e2),  e1, e2 = e^{pp - q}, e^{u + k - q},  q = max(pp, u + k)
@@ -21,9 +23,11 @@
 //   dv = f2 ga ; ga, gb = f1 ga, f1 gb   (nw, dv, ga, gb times 1 + err: see update_select)
 //   then the output: g = dy / den ; ga += g e1 ; gb -= g e1 y ; gp += g e1 (aa - y bb) ;
 //   dv += g e2 ; du, dk += g e2 (v - y)
-// and the initial state's gradients are (ga, gb, gp) after step 0. The backward
-// recomputes each chunk's states from its snapshot (keeping the update's exp), then
-// runs the reverse scan.
+// and the initial state's gradients are (ga, gb, gp) after step 0. At a document start
+// the state before the step is a constant: (ga, gb, gp) and D are 0 there (none of the
+// step's gradient reaches back). The backward recomputes each chunk's states from its
+// snapshot (keeping the update's exp, resetting where the forward did), then runs the
+// reverse scan.
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -73,6 +77,11 @@ inline V vabs(V x) {
 template <typename V>
 using Mask = decltype(V{} < V{});
 
+// pp of the fresh state (aa = bb = 0), the public function's FRESH_PP: a document's first step
+// gives it weight e^{pp - q} = 0, and every exponent stays finite.
+template <typename F>
+constexpr F kFreshPP = (F)-1e38;
+
 // Both exponents are formed as differences first, (pp - k) -/+ u or w: pp - k is
 // exact when the two are close, so large pp and k lose nothing there.
 
@@ -112,8 +121,9 @@ inline void update_weights(Mask<V> s, V f, V& f1, V& f2) {
 }
 
 template <typename F>
-void forward(const F* w, const F* u, const F* k, const F* v, const F* aa0, const F* bb0, const F* pp0, F* y,
-             F* aaT, F* bbT, F* ppT, F* snaps, int B, int T, int C, int chunk, int threads) {
+void forward(const F* w, const F* u, const F* k, const F* v, const F* aa0, const F* bb0, const F* pp0,
+             const uint8_t* starts, F* y, F* aaT, F* bbT, F* ppT, F* snaps, int B, int T, int C, int chunk,
+             int threads) {
   typedef typename Vec<F>::type V;
   constexpr int L = Vec<F>::L, G = NV * L;
   const int groups = (C + G - 1) / G, n_chunks = (T + chunk - 1) / chunk;
@@ -133,9 +143,11 @@ void forward(const F* w, const F* u, const F* k, const F* v, const F* aa0, const
     for (int t = 0; t < T; t++) {
       const int64_t o = ((int64_t)b * T + t) * C + c0;
       F* snap = t % chunk ? nullptr : snaps + (((int64_t)b * n_chunks + t / chunk) * 3) * C + c0;
+      const bool fresh = starts && starts[(int64_t)b * T + t];
       for (int q = 0; q < NV; q++) {
         if (!cnt[q]) continue;
         const int64_t oq = o + q * L;
+        if (fresh) a[q] = bs[q] = V{}, p[q] = V{} + kFreshPP<F>;  // before the snapshot the backward starts from
         if (snap) {
           store(snap + q * L, a[q], cnt[q]), store(snap + C + q * L, bs[q], cnt[q]);
           store(snap + 2 * C + q * L, p[q], cnt[q]);
@@ -159,8 +171,8 @@ void forward(const F* w, const F* u, const F* k, const F* v, const F* aa0, const
 
 template <typename F>
 void backward(const F* w, const F* u, const F* k, const F* v, const F* aaT, const F* bbT, const F* snaps,
-              const F* dy, const F* daaT, const F* dbbT, const F* dppT, F* dw, F* du, F* dk, F* dv, F* daa0, F* dbb0,
-              F* dpp0, int B, int T, int C, int chunk, int threads) {
+              const uint8_t* starts, const F* dy, const F* daaT, const F* dbbT, const F* dppT, F* dw, F* du, F* dk,
+              F* dv, F* daa0, F* dbb0, F* dpp0, int B, int T, int C, int chunk, int threads) {
   typedef typename Vec<F>::type V;
   constexpr int L = Vec<F>::L, G = NV * L;
   const int groups = (C + G - 1) / G, n_chunks = (T + chunk - 1) / chunk;
@@ -191,11 +203,13 @@ void backward(const F* w, const F* u, const F* k, const F* v, const F* aaT, cons
         p[q] = load(snap + 2 * C + q * L, cnt[q]);
         dwc[q] = duc[q] = V{};
       }
+      const uint8_t* fresh = starts ? starts + (int64_t)b * T + t0 : nullptr;
       for (int i = 0; i < len; i++) {
         const int64_t o = ((int64_t)b * T + t0 + i) * C + c0;
         V* si = st.data() + (size_t)i * 4 * NV;
         for (int q = 0; q < NV; q++) {
           if (!cnt[q]) continue;
+          if (fresh && fresh[i]) a[q] = bs[q] = V{}, p[q] = V{} + kFreshPP<F>;
           const V kt = load(k + o + q * L, cnt[q]), vt = load(v + o + q * L, cnt[q]);
           V f, f1, f2, p_new, err;
           const Mask<V> s = update_select(p[q], wv[q], kt, f, p_new, err);
@@ -231,6 +245,7 @@ void backward(const F* w, const F* u, const F* k, const F* v, const F* aaT, cons
           const V gy = g * e2 * (vt - yt);
           gv += g * e2, gk += gy, duc[q] += gy;
           store(dk + oq, gk, cnt[q]), store(dv + oq, gv, cnt[q]);
+          if (fresh && fresh[i]) ga[q] = gb[q] = gp[q] = D[q] = V{};  // the state before a start is a constant
         }
       }
       for (int q = 0; q < NV; q++)
@@ -253,16 +268,16 @@ extern "C" {
 
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                     \
   void wkv4_forward_##SUFFIX(const F* w, const F* u, const F* k, const F* v, const F* aa0, const F* bb0,          \
-                             const F* pp0, F* y, F* aaT, F* bbT, F* ppT, F* snaps, int B, int T, int C, int chunk, \
-                             int threads) {                                                                         \
-    forward<F>(w, u, k, v, aa0, bb0, pp0, y, aaT, bbT, ppT, snaps, B, T, C, chunk, threads);                        \
+                             const F* pp0, const uint8_t* starts, F* y, F* aaT, F* bbT, F* ppT, F* snaps, int B,    \
+                             int T, int C, int chunk, int threads) {                                                \
+    forward<F>(w, u, k, v, aa0, bb0, pp0, starts, y, aaT, bbT, ppT, snaps, B, T, C, chunk, threads);                \
   }                                                                                                                 \
   void wkv4_backward_##SUFFIX(const F* w, const F* u, const F* k, const F* v, const F* aaT, const F* bbT,         \
-                              const F* snaps, const F* dy, const F* daaT, const F* dbbT, const F* dppT, F* dw,      \
-                              F* du, F* dk, F* dv, F* daa0, F* dbb0, F* dpp0, int B, int T, int C, int chunk,       \
-                              int threads) {                                                                        \
-    backward<F>(w, u, k, v, aaT, bbT, snaps, dy, daaT, dbbT, dppT, dw, du, dk, dv, daa0, dbb0, dpp0, B, T, C, chunk, \
-                threads);                                                                                           \
+                              const F* snaps, const uint8_t* starts, const F* dy, const F* daaT, const F* dbbT,     \
+                              const F* dppT, F* dw, F* du, F* dk, F* dv, F* daa0, F* dbb0, F* dpp0, int B, int T,   \
+                              int C, int chunk, int threads) {                                                      \
+    backward<F>(w, u, k, v, aaT, bbT, snaps, starts, dy, daaT, dbbT, dppT, dw, du, dk, dv, daa0, dbb0, dpp0, B, T, \
+                C, chunk, threads);                                                                                 \
   }
 
 #ifdef RWKVX_FP32
