@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_scaled_, refuse_starts, upcast
+from rwkvx_cli.models.layers.common import PLAIN, Graph, State, orthogonal_scaled_, upcast
 from rwkvx_cli.ops import rwkv8
 
 
@@ -45,13 +45,15 @@ class RWKV8Mix(nn.Module):
         return {"rho": torch.zeros(B, H, L, self.E, device=device), "rho_norm": torch.zeros(B, H, L, device=device)}
 
     def forward(self, x: torch.Tensor, v_first, state: State | None = None, graph: Graph = PLAIN, starts=None):
-        refuse_starts("rwkv8", starts)
+        """`starts` (bool [B, T]): document starts, where the recurrence restarts from the zero
+        state (docs/operators.md#document-starts); the mix has no token shift to reset."""
         B, T, C = x.shape
         H, L = self.n_head, self.head_size
         q = upcast(torch.relu(self.query(x)).view(B, T, H, L))
         v = x[:, :, None] if self.shared_value else self.value(x).view(B, T, H, self.head_size)
         d = torch.sigmoid(upcast(self.decay_logit))
-        y, rho, rho_norm = rwkv8(q, upcast(v), d, state["rho"] if state else None, state["rho_norm"] if state else None)
+        rho0, norm0 = (state["rho"], state["rho_norm"]) if state else (None, None)
+        y, rho, rho_norm = rwkv8(q, upcast(v), d, rho0, norm0, starts=starts)
         y = self.ln_x(y.reshape(B * T, H * self.E).to(x.dtype)).view(B, T, H * self.E)
         return self.output(y), v_first, {"rho": rho, "rho_norm": rho_norm}
 

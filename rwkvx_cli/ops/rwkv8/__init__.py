@@ -5,6 +5,10 @@ docs/operators.md#rwkv8). Per (batch, head), with eps = 1e-6:
     y_t[e] = Σ_l q̃_t[l] ρ_{t-1}[l, e] / (n_{t-1}[l] + eps)     (reads the state BEFORE step t)
     ρ_t    = d ⊙ ρ_{t-1} + q_t ⊗ v_t ,   n_t = d ⊙ n_{t-1} + q_t
 
+With `starts` (bool [B, T]), (ρ_{t-1}, n_{t-1}) is the zero state where it is True, so y_t = 0
+there (docs/operators.md#document-starts). The decay d is per (head, latent), not per token, so
+no input rewrite can reset the state: every backend takes `starts` itself.
+
 Layout, the project's [B, T, H, ·] (the seed's is [B, H, T, ·]):
     q [B, T, H, L]    <- seed q [B, H, T, L]     (non-negative features, L = latent size)
     v [B, T, Hv, E]   <- seed v [B, Hv, T, E]    (Hv = 1: one value head shared by every head)
@@ -22,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._checks import check_state
+from rwkvx_cli.ops._checks import check_starts, check_state
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("q", "v", "d")
@@ -36,6 +40,7 @@ def rwkv8(
     rho: torch.Tensor | None = None,
     rho_norm: torch.Tensor | None = None,
     *,
+    starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Run the recurrence; returns (y [B,T,H,E], rho_out [B,H,L,E], rho_norm_out [B,H,L]).
@@ -43,7 +48,8 @@ def rwkv8(
     Differentiable with respect to q, v, d, the initial rho and rho_norm (either
     may be None: zeros), and through the final state, so segments can be chained.
     `d` may have another floating dtype than q and v (an fp32 parameter with bf16
-    activations); its gradient comes back in its own dtype.
+    activations); its gradient comes back in its own dtype. `starts` (bool [B, T]): where
+    True, the state before that token is the zero state (a document starts).
     """
     for name, x in (("q", q), ("v", v), ("d", d)):
         if not isinstance(x, torch.Tensor):
@@ -74,8 +80,11 @@ def rwkv8(
         rho_norm = torch.zeros(B, H, L, dtype=state_dtype, device=q.device)
     else:
         check_state("rho_norm", rho_norm, (B, H, L), q.device)
-    bk = resolve_backend(get_op("rwkv8"), backend, q.device)
+    starts = check_starts(starts, B, T, q.device)
+    spec = get_op("rwkv8")
+    bk = resolve_backend(spec, backend, q.device)
     if q.dtype == torch.float64 and not bk.supports_fp64:
         raise ValueError(f"backend {bk.name!r} of rwkv8 does not support float64 inputs")
-    y, (rho_out, norm_out) = bk.fn(q, v, d, (rho, rho_norm))
+    x, extra = spec.with_starts(bk, dict(zip(INPUTS, (q, v, d), strict=True)), starts)
+    y, (rho_out, norm_out) = bk.fn(*x.values(), (rho, rho_norm), **extra)
     return y, rho_out, norm_out

@@ -21,6 +21,13 @@ B·H·⌈T/16⌉·L·(E + 1) fp32 values, i.e. H·L·(E + 1)/16 per token (4 byt
 with the shared value head E = C the model width: at H·L = 4096 latents and
 C = 4096, 4 MiB per token and layer), plus the saved inputs q, v, d.
 
+Document starts (bool [B, T], the HAS_STARTS variant of each kernel): where a document starts,
+the forward zeroes the tile's state before the step (and before its snapshot), the backward's
+recomputation does the same, and its reverse scan zeroes dρ and dn after the step, so no
+gradient crosses the start. The forward reads one flag per step; the backward reads a chunk's
+flags at once, as the bits of one integer (a flag load inside the recomputation loop spilled on
+sm_90).
+
 Runs on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (how the test suite
 checks it). Inputs fp32 or bf16; state and accumulation fp32.
 
@@ -66,11 +73,27 @@ if triton is not None:
         return qr, st, vt
 
     @triton.jit
+    def _zero_at(start, a, b):
+        """a and b, or zeros where `start` (a document starts: the state before it is zero)."""
+        return tl.where(start, 0.0, a), tl.where(start, 0.0, b)
+
+    @triton.jit
+    def _chunk_starts(starts, bi, T, t0, CHUNK: tl.constexpr, HAS_STARTS: tl.constexpr):
+        """Which steps t0 + i (i < CHUNK) of batch row bi start a document, as the bits i of an int32
+        (none past T, none without starts): one load per chunk for the backward's two scans."""
+        if HAS_STARTS:
+            i = tl.arange(0, CHUNK)
+            flags = tl.load(starts + bi * T + t0 + i, mask=t0 + i < T, other=0).to(tl.int32)
+            return tl.sum(flags << i, axis=0)
+        return t0 * 0
+
+    @triton.jit
     def _fwd_kernel(
         q, v, d, s, rho0, n0,
         y_p, rhoT, nT, snaps, nsnaps,
         T, H, Hv, L, E, PSTRIDE,
         BR: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        starts=None, HAS_STARTS: tl.constexpr = False,  # document starts, bool [B, T] (default: none)
     ):  # fmt: skip
         bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * L * E, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
@@ -87,6 +110,8 @@ if triton is not None:
         n = tl.load(n0 + bh * L + rows, mask=mr, other=0.0).to(DT)
         dr = tl.load(d + h * L + rows, mask=mr, other=0.0).to(DT)
         for t in range(T):
+            if HAS_STARTS:
+                R, n = _zero_at(tl.load(starts + bi * T + t).to(tl.int1), R, n)
             if t % CHUNK == 0:
                 c = bh * NC + t // CHUNK
                 tl.store(snaps + c * L * E + off2, R, mask=m2)
@@ -107,6 +132,7 @@ if triton is not None:
         dq_p, zdz_p, dv_p, dd_p, drho0, dn0_p,
         T, H, Hv, L, E, PSTRIDE, QSTRIDE, LSTRIDE, SSTRIDE,
         BR: tl.constexpr, BV: tl.constexpr, CHUNK: tl.constexpr, NC, DT: tl.constexpr,
+        starts=None, HAS_STARTS: tl.constexpr = False,  # document starts, bool [B, T] (default: none)
     ):  # fmt: skip
         bh = tl.program_id(0).to(tl.int64)  # i64: the base offsets (bh * NC * L * E, ...) pass 2^31 at production sizes
         ir = tl.program_id(1)
@@ -136,7 +162,10 @@ if triton is not None:
             t0 = c * CHUNK
             R = tl.load(snaps + (bh * NC + c) * L * E + off2, mask=m2, other=0.0)
             n = tl.load(nsnaps + (bh * NC + c) * L + rows, mask=mr, other=0.0)
+            bits = _chunk_starts(starts, bi, T, t0, CHUNK, HAS_STARTS)
             for i in range(CHUNK):  # recompute the chunk's states before each step
+                if HAS_STARTS:
+                    R, n = _zero_at(((bits >> i) & 1) != 0, R, n)
                 tl.store(scr + i * BR * BV + loc2, R)
                 tl.store(nscr + i * BR + lrow, n)
                 qr, st, vt = _step_inputs(q, v, s, t0 + i, T, bi, h, H, Hv, L, E, rows, cols, DT)
@@ -167,6 +196,8 @@ if triton is not None:
                 dd = dd + tl.where(okr, g + dn * np_, 0.0)
                 dR = tl.where(okr[:, None], dr[:, None] * dR + z[:, None] * dyt[None, :], dR)
                 dn = tl.where(okr, dr * dn - r * z * im, dn)
+                if HAS_STARTS:  # no gradient crosses a start
+                    dR, dn = _zero_at(((bits >> i) & 1) != 0, dR, dn)
         tl.store(drho0 + bh * L * E + off2, dR, mask=m2)
         tl.store(dn0_p + icl * SSTRIDE + bh * L + rows, dn, mask=mr)
         tl.store(dd_p + icl * SSTRIDE + bh * L + rows, dd, mask=mr)
@@ -197,15 +228,16 @@ def index_offsets(B: int, T: int, H: int, L: int, E: int) -> dict[str, int]:
 
 @triton_op("rwkvx::rwkv8_triton_fwd")
 def rwkv8_triton_fwd(
-    q: Tensor, v: Tensor, d: Tensor, s: Tensor, rho0: Tensor, n0: Tensor
+    q: Tensor, v: Tensor, d: Tensor, s: Tensor, rho0: Tensor, n0: Tensor, starts: Tensor | None = None
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The forward kernel: q [B, T, H, L], v [B, T, Hv, E], d [H, L] in one dtype, q̃'s
     normaliser s = Σ_l q + eps [B, T, H] and the state ρ [B, H, L, E], n [B, H, L] in the
-    compute dtype. Returns (y [B, T, H, E] in the compute dtype, ρ and n at the end,
-    snapshots of ρ [B, H, NC, L, E] and of n [B, H, NC, L])."""
+    compute dtype; starts bool [B, T] (None: no document starts). Returns (y [B, T, H, E] in
+    the compute dtype, ρ and n at the end, snapshots of ρ [B, H, NC, L, E] and of n [B, H, NC, L])."""
     B, T, H, L = q.shape
     Hv, E = v.shape[2], v.shape[3]
     q, v, d, s, rho0, n0 = (x.contiguous() for x in (q, v, d, s, rho0, n0))
+    starts = None if starts is None else starts.contiguous()
     cdt, DT = compute_dtype(q.dtype)
     BR, BV, NR, NV = _blocks(L, E)
     NC = triton.cdiv(T, CHUNK)
@@ -215,7 +247,7 @@ def rwkv8_triton_fwd(
     nsnaps = rho0.new_empty(B, H, NC, L)
     wrap_triton(_fwd_kernel)[(B * H, NR, NV)](
         q, v, d, s, rho0, n0, y_p, rho_out, norm_out, snaps, nsnaps,
-        T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT,
+        T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT, starts, starts is not None,
     )  # fmt: skip
     return y_p.sum(0), rho_out, norm_out, snaps, nsnaps
 
@@ -231,14 +263,16 @@ def rwkv8_triton_bwd(
     dy: Tensor,
     drho: Tensor,
     dnorm: Tensor,
+    starts: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
     """The backward kernel: the forward's inputs, normaliser and snapshots, the cotangents of
-    y, ρ and n in the compute dtype. Returns (dq, dv, dd, dρ, dn) in the compute dtype, each
-    summed over the program blocks' partials (dv over the heads too with the shared value
-    head, Hv = 1)."""
+    y, ρ and n in the compute dtype, and the forward's starts. Returns (dq, dv, dd, dρ, dn) in
+    the compute dtype, each summed over the program blocks' partials (dv over the heads too with
+    the shared value head, Hv = 1)."""
     B, T, H, L = q.shape
     Hv, E = v.shape[2], v.shape[3]
     q, v, d, s, snaps, nsnaps, dy, drho, dnorm = (x.contiguous() for x in (q, v, d, s, snaps, nsnaps, dy, drho, dnorm))
+    starts = None if starts is None else starts.contiguous()
     cdt, DT = compute_dtype(q.dtype)
     BR, BV, NR, NV = _blocks(L, E)
     NC = triton.cdiv(T, CHUNK)
@@ -253,6 +287,7 @@ def rwkv8_triton_bwd(
     wrap_triton(_bwd_kernel)[(B * H, NR, NV)](
         q, v, d, s, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_p, zdz_p, dv_p, dd_p, drho0, dnorm0_p,
         T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, CHUNK, NC, DT,
+        starts, starts is not None,
     )  # fmt: skip
     dq = dq_p.sum(0) - (zdz_p.sum(0) / s)[..., None]
     dv = dv_p.sum(0)
@@ -263,24 +298,25 @@ def rwkv8_triton_bwd(
 
 class _RWKV8Triton(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, v, d, rho, norm):
+    def forward(ctx, q, v, d, rho, norm, starts):
         B, T, H, L = q.shape
         index_offsets(B, T, H, L, v.shape[3])  # before any copy or allocation
         ins, s0, cdt, _ = prepare((q, v, d), (rho, norm), q.dtype)
         s = ins[0].to(cdt).sum(-1) + EPS  # [B, T, H]: q̃'s normaliser, shared by every tile
-        y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_triton_fwd(*ins, s, *s0)
-        ctx.save_for_backward(*ins, s, snaps, nsnaps)
+        y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_triton_fwd(*ins, s, *s0, starts)
+        ctx.save_for_backward(*ins, s, snaps, nsnaps, starts)
         ctx.dtypes = (q.dtype, v.dtype, d.dtype, rho.dtype, norm.dtype)
         return y.to(q.dtype), rho_out, norm_out
 
     @staticmethod
     def backward(ctx, dy, drho, dnorm):
-        q, v, d, s, snaps, nsnaps = ctx.saved_tensors
+        q, v, d, s, snaps, nsnaps, starts = ctx.saved_tensors
         (dy,), (drho, dnorm), _, _ = prepare((dy,), (drho, dnorm), q.dtype)
-        grads = torch.ops.rwkvx.rwkv8_triton_bwd(q, v, d, s, snaps, nsnaps, dy, drho, dnorm)
-        return cast_back(grads, ctx.dtypes)
+        grads = torch.ops.rwkvx.rwkv8_triton_bwd(q, v, d, s, snaps, nsnaps, dy, drho, dnorm, starts)
+        return (*cast_back(grads, ctx.dtypes), None)
 
 
-def rwkv8_triton(q, v, d, state):
-    y, rho, norm = _RWKV8Triton.apply(q, v, d, *state)
+def rwkv8_triton(q, v, d, state, *, starts=None):
+    """starts: bool [B, T] or None (docs/operators.md#document-starts)."""
+    y, rho, norm = _RWKV8Triton.apply(q, v, d, *state, starts)
     return y, (rho, norm)

@@ -16,15 +16,16 @@ V_SCALE = 0.003  # the sampled v (and rho / rho_norm); with the cotangent scales
 
 def _sample(case: Case, gen: torch.Generator) -> Tensors:
     """Non-negative q (uniform, or with about half its entries exactly 0 under option
-    "sparse", like the ReLU features of BDH), v uniform in ±V_SCALE, d uniform in
-    (0.6, 0.99), and a non-zero state consistent with them: n in (0.5, 2.5), ρ = n ⊗ v-sized."""
+    "sparse", like the ReLU features of BDH; option "q_min": uniform in (q_min, 1)), v uniform in
+    ±V_SCALE, d uniform in (0.6, 0.99), and a non-zero state consistent with them: n in (0.5, 2.5),
+    ρ = n ⊗ v-sized."""
     B, T, H, L = (case.dims[d] for d in "BTHN")
     E, Hv = int(case.options.get("E", L)), int(case.options.get("Hv", H))
 
     def rand(*shape, lo=0.0, hi=1.0):
         return lo + (hi - lo) * torch.rand(*shape, generator=gen, dtype=torch.float64)
 
-    q = rand(B, T, H, L)
+    q = rand(B, T, H, L, lo=float(case.options.get("q_min", 0.0)))
     if case.options.get("sparse"):
         q = torch.relu(2.0 * q - 1.0)
     norm = rand(B, H, L, lo=0.5, hi=2.5)
@@ -50,8 +51,8 @@ def _flops(dims: dict[str, int], mode: str) -> float:
     return float(per * L * E * dims["B"] * dims["T"] * dims["H"])
 
 
-def _case(name, B, T, H, N, nonzero_state=False, **options):
-    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options)
+def _case(name, B, T, H, N, nonzero_state=False, starts=(), **options):
+    return Case(name, {"B": B, "T": T, "H": H, "N": N}, nonzero_state, options, starts=starts)
 
 
 SPEC = register(
@@ -70,8 +71,19 @@ SPEC = register(
             _case("ragged_T", 1, 37, 2, 16, nonzero_state=True, E=8),
             _case("shared_value", 1, 16, 3, 16, nonzero_state=True, Hv=1),
             _case("sparse_q", 1, 16, 2, 16, nonzero_state=True, sparse=True),
+            # Document starts at the window's first token, inside a 16-step chunk, on chunk edges,
+            # back to back and at the last token; the second row keeps its initial state to t = 15,
+            # the third to the end (through it the final state's cotangent reaches the initial
+            # norm: without it that gradient is below the vacuity floor). Last, so the cases
+            # before keep their seeds (case i is sampled with seed 1000·S + i).
+            _case("doc_starts", 3, 37, 2, 16, nonzero_state=True, starts=((0, 5, 16, 17, 36), (15, 32), ()), E=8),
         ),
-        fd_case=_case("finite_diff", 1, 19, 2, 4, nonzero_state=True, E=3),
+        # Starts at the first token, back to back and at the last token in the first row; the second
+        # keeps its state (the initial norm's gradient, as above). Right after a start n is one
+        # token's q and y divides by it: q_min keeps finite differences' steps (1e-3 (1 + |q|)) small
+        # beside it. Chosen so that gate B passes seeds 0-23 on the reference: longer windows (d's
+        # curvature grows with d^T) put a near-zero element of dd within the differences' error.
+        fd_case=_case("finite_diff", 2, 13, 2, 4, nonzero_state=True, starts=((0, 5, 6, 12), ()), E=3, q_min=0.2),
         backends=standard_backends(
             cpu=cpu.rwkv8_cpu,
             cpu_summary=(
@@ -88,6 +100,7 @@ SPEC = register(
             chunked=rwkv8_chunked,
             chunked_summary="pure-torch matmul form over 16-step chunks (pairwise decays d^(t-1-s)), autograd",
             reference=rwkv8_reference,
+            resets=True,  # d is per (head, latent), not per token: no input rewrite resets the state
         ),
         cotangent_scales=(0.02, 0.02, 0.02),
         flops=_flops,

@@ -9,6 +9,11 @@
 // step of each chunk. dv is written per head, [B, T, H, E] (summed over heads by
 // the caller when Hv = 1) and dd per batch row, [B, H, L].
 //
+// Document starts: starts [B, T], one byte per token (null: none). Where it is set, the state
+// before the step is zero: the forward zeroes ρ and n (before the snapshot, so a chunk's snapshot
+// is already reset), the backward's recomputation writes the zero state there, and the reverse
+// scan zeroes dρ and dn after the step, so no gradient crosses the start.
+//
 // Forward, per step (s = Σ_l q_l + eps, m_l = n_l + eps, z_l = q_l / (s m_l)):
 //   y += z_l ρ_l ;  ρ_l = d_l ρ_l + q_l v ;  n_l = d_l n_l + q_l      (row l of ρ, one pass)
 // Backward, reverse over t with dρ, dn the gradients of the state after step t and
@@ -19,6 +24,7 @@
 // E (forward) and L (backward) = 16, 32, 64 or 128 compile to fixed-length vector code
 // (csrc/simd.h), in column blocks whose accumulators fit the register file;
 // other sizes take the generic loops.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -44,8 +50,8 @@ inline void vstore(F* p, typename Vec<F>::type x) {
 }
 
 template <typename F, int NE>
-void forward(const F* q, const F* v, const F* d, const F* rho0, const F* n0, F* y, F* rhoT, F* nT, F* snaps,
-             F* nsnaps, int B, int T, int H, int Hv, int L, int e_runtime, int chunk, int threads) {
+void forward(const F* q, const F* v, const F* d, const F* rho0, const F* n0, const uint8_t* starts, F* y, F* rhoT,
+             F* nT, F* snaps, F* nsnaps, int B, int T, int H, int Hv, int L, int e_runtime, int chunk, int threads) {
   const int E = NE ? NE : e_runtime;
   const int n_chunks = (T + chunk - 1) / chunk;
   const int64_t LE = (int64_t)L * E;
@@ -55,6 +61,10 @@ void forward(const F* q, const F* v, const F* d, const F* rho0, const F* n0, F* 
     std::vector<F> rho(rho0 + bh * LE, rho0 + (bh + 1) * LE), n(n0 + (int64_t)bh * L, n0 + (int64_t)(bh + 1) * L), z(L);
     const F* dh = d + (int64_t)h * L;
     for (int t = 0; t < T; t++) {
+      if (starts && starts[(int64_t)b * T + t]) {  // a document starts: the zero state before step t
+        std::fill(rho.begin(), rho.end(), F(0));
+        std::fill(n.begin(), n.end(), F(0));
+      }
       if (t % chunk == 0) {
         const int64_t c = (int64_t)bh * n_chunks + t / chunk;
         std::memcpy(snaps + c * LE, rho.data(), LE * sizeof(F));
@@ -204,9 +214,9 @@ inline void recompute_rows(const F* __restrict cur, F* __restrict next, const F*
 }
 
 template <typename F, int NL>
-void backward(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps, const F* dy, const F* drhoT,
-              const F* dnT, F* dq, F* dv, F* dd, F* drho0, F* dn0, int B, int T, int H, int Hv, int L_runtime, int E,
-              int chunk, int threads) {
+void backward(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps, const uint8_t* starts,
+              const F* dy, const F* drhoT, const F* dnT, F* dq, F* dv, F* dd, F* drho0, F* dn0, int B, int T, int H,
+              int Hv, int L_runtime, int E, int chunk, int threads) {
   const int L = NL ? NL : L_runtime;
   const int n_chunks = (T + chunk - 1) / chunk;
   const int64_t LE = (int64_t)L * E;
@@ -235,10 +245,15 @@ void backward(const F* q, const F* v, const F* d, const F* snaps, const F* nsnap
       std::memcpy(ns.data(), nsnaps + ((int64_t)bh * n_chunks + c) * L, L * sizeof(F));
       for (int i = 0; i + 1 < len; i++) {  // ρᵀ[e] = d ⊙ ρᵀ[e] + v_e q
         const int t = t0 + i;
+        F* next = rhos.data() + (i + 1) * LE;
+        if (starts && starts[(int64_t)b * T + t + 1]) {  // step t + 1 starts a document: the zero state
+          std::fill(next, next + LE, F(0));
+          std::fill(ns.begin() + (i + 1) * L, ns.begin() + (i + 2) * L, F(0));
+          continue;
+        }
         const F* __restrict qt = q + (((int64_t)b * T + t) * H + h) * L;
         const F* vt = v + (((int64_t)b * T + t) * Hv + (Hv == 1 ? 0 : h)) * E;
         const F* cur = rhos.data() + i * LE;
-        F* next = rhos.data() + (i + 1) * LE;
         recompute_rows<F, NL>(cur, next, dh, qt, vt, L, E);
         for (int l = 0; l < L; l++) ns[(i + 1) * L + l] = dh[l] * ns[i * L + l] + qt[l];
       }
@@ -262,6 +277,10 @@ void backward(const F* q, const F* v, const F* d, const F* snaps, const F* nsnap
           dqt[l] = a[l] + dn[l] + (r[l] * im - zdz) / s;
           dn[l] = dh[l] * dn[l] - r[l] * z[l] * im;
         }
+        if (starts && starts[(int64_t)b * T + t]) {  // the gradient stops at a document's start
+          std::fill(dRT.begin(), dRT.end(), F(0));
+          std::fill(dn.begin(), dn.end(), F(0));
+        }
       }
       for (int l = 0; l < L; l++) dd_acc[l] += dd_chunk[l];
     }
@@ -280,17 +299,18 @@ extern "C" {
   (X == 16 ? fn<F, 16> : X == 32 ? fn<F, 32> : X == 64 ? fn<F, 64> : X == 128 ? fn<F, 128> : fn<F, 0>)
 
 #define RWKVX_EXPORT(F, SUFFIX)                                                                                      \
-  void rwkv8_forward_##SUFFIX(const F* q, const F* v, const F* d, const F* rho0, const F* n0, F* y, F* rhoT, F* nT, \
-                              F* snaps, F* nsnaps, int B, int T, int H, int Hv, int L, int E, int chunk,             \
-                              int threads) {                                                                         \
+  void rwkv8_forward_##SUFFIX(const F* q, const F* v, const F* d, const F* rho0, const F* n0,                        \
+                              const uint8_t* starts, F* y, F* rhoT, F* nT, F* snaps, F* nsnaps, int B, int T, int H, \
+                              int Hv, int L, int E, int chunk, int threads) {                                        \
     auto fn = RWKVX_PICK(forward, F, E);                                                                             \
-    fn(q, v, d, rho0, n0, y, rhoT, nT, snaps, nsnaps, B, T, H, Hv, L, E, chunk, threads);                            \
+    fn(q, v, d, rho0, n0, starts, y, rhoT, nT, snaps, nsnaps, B, T, H, Hv, L, E, chunk, threads);                    \
   }                                                                                                                  \
-  void rwkv8_backward_##SUFFIX(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps, const F* dy,     \
-                               const F* drhoT, const F* dnT, F* dq, F* dv, F* dd, F* drho0, F* dn0, int B, int T,    \
-                               int H, int Hv, int L, int E, int chunk, int threads) {                                \
+  void rwkv8_backward_##SUFFIX(const F* q, const F* v, const F* d, const F* snaps, const F* nsnaps,                  \
+                               const uint8_t* starts, const F* dy, const F* drhoT, const F* dnT, F* dq, F* dv,       \
+                               F* dd, F* drho0, F* dn0, int B, int T, int H, int Hv, int L, int E, int chunk,        \
+                               int threads) {                                                                        \
     auto fn = RWKVX_PICK(backward, F, L);                                                                            \
-    fn(q, v, d, snaps, nsnaps, dy, drhoT, dnT, dq, dv, dd, drho0, dn0, B, T, H, Hv, L, E, chunk, threads);           \
+    fn(q, v, d, snaps, nsnaps, starts, dy, drhoT, dnT, dq, dv, dd, drho0, dn0, B, T, H, Hv, L, E, chunk, threads);   \
   }
 
 #ifdef RWKVX_FP32
