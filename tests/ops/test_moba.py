@@ -11,7 +11,7 @@ from rwkvx_cli.ops import get_op
 from rwkvx_cli.ops.moba import moba
 from rwkvx_cli.ops.moba import sparse as sparse_module
 from rwkvx_cli.ops.moba import tiled as tiled_module
-from rwkvx_cli.ops.moba.spec import _gate_margin
+from rwkvx_cli.ops.moba.spec import _begins, _gate_margin
 
 SPEC = get_op("moba")
 BACKENDS = ["reference", *(bk.name for bk in SPEC.production_backends())]
@@ -287,6 +287,6 @@ def test_sampler_keeps_selections_away_from_ties():
     for seed in range(20):
         x = SPEC.sample(case, torch.Generator().manual_seed(seed * 1000 + len(SPEC.cases)))
         assert x["k_cache"].shape[1] == case.options["prefix"]
-        margin = _gate_margin(x["q"].float(), x["k"].float(), c, top_k, x["k_cache"].float())
+        margin = _gate_margin(x["q"].float(), x["k"].float(), c, top_k, x["k_cache"].float(), _begins(case))
         assert margin > case.options["min_gap"]
     assert math.isinf(_gate_margin(x["q"], x["k"], c, 0, x["k_cache"]))

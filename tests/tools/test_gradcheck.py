@@ -85,7 +85,7 @@ def _moba_with_cache_bug():
     def fn(q, k, v, state, **kw):
         return tiled(q, k, v, (state[0], _ScaleGrad.apply(state[1], 1.01)), **kw)
 
-    bk = Backend("buggy_cache", fn, "planted bug")
+    bk = Backend("buggy_cache", fn, "planted bug", resets=True)
     return replace(spec, backends={**spec.backends, bk.name: bk}), bk
 
 

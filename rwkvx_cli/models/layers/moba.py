@@ -8,7 +8,12 @@ so that each chunk boundary keeps only its own chunk's keys and values (a concat
 boundary would keep the whole prefix again at every boundary); otherwise one tensor each, the
 whole prefix. The cache holds the keys and values in the activations' dtype, as the op reads them.
 The state grows with the tokens read, so it has no fixed-size zero state (`empty_state` is None)
-and truncated BPTT does not carry it across steps (`LM.carried`)."""
+and truncated BPTT does not carry it across steps (`LM.carried`).
+
+With document starts the state also holds the starts of the tokens read (`starts`, bool [B, P],
+kept in pieces as the keys are), which the op needs to find where each row's ongoing document
+began in the cache (docs/operators.md#moba): a piece after a start attends as the document read
+alone from an empty cache would. Until a window brings starts the state holds none of them."""
 
 from __future__ import annotations
 
@@ -16,7 +21,7 @@ import torch
 from torch import nn
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.models.layers.common import PLAIN, Graph, orthogonal_, refuse_starts
+from rwkvx_cli.models.layers.common import PLAIN, Graph, orthogonal_
 from rwkvx_cli.ops.moba import moba
 
 
@@ -40,16 +45,22 @@ class MobaAttention(nn.Module):
         return None
 
     def forward(self, x, v_first, state=None, graph: Graph = PLAIN, starts=None):
-        refuse_starts("moba", starts)
         B, T, C = x.shape
         q, k, v = (p(x).view(B, T, self.n_head, self.head_size) for p in (self.receptance, self.key, self.value))
         k_parts, v_parts = (state["k"], state["v"]) if state and "k" in state else ((), ())
+        s_parts = state.get("starts", ()) if state else ()
         cache = (_joined(k_parts), _joined(v_parts)) if k_parts else None
-        y, (keys, values) = moba(q, k, v, cache, chunk_size=self.chunk, top_k=self.top_k)
-        if torch.is_grad_enabled():
-            new = {"k": (*k_parts, k), "v": (*v_parts, v)}
-        else:
-            new = {"k": (keys,), "v": (values,)}
+        cache_starts = _joined(s_parts) if s_parts else None
+        y, (keys, values) = moba(
+            q, k, v, cache, chunk_size=self.chunk, top_k=self.top_k, starts=starts, cache_starts=cache_starts
+        )
+        grad = torch.is_grad_enabled()
+        new = {"k": (*k_parts, k), "v": (*v_parts, v)} if grad else {"k": (keys,), "v": (values,)}
+        if starts is not None or s_parts:
+            if not s_parts and cache is not None:  # the first starts: the cache read so far had none
+                s_parts = (torch.zeros(B, cache[0].shape[1], dtype=torch.bool, device=x.device),)
+            parts = (*s_parts, torch.zeros(B, T, dtype=torch.bool, device=x.device) if starts is None else starts)
+            new["starts"] = parts if grad else (_joined(parts),)
         return self.output(y.reshape(B, T, C)), v_first, new
 
     @torch.no_grad()

@@ -22,15 +22,31 @@ read in pieces, each from the state the last one returned, gives what reading
 it whole gives (chunked BPTT and incremental generation, models/layers/moba.py).
 The state out is the keys and values of all P + T tokens; the gradient reaches
 the cache as it reaches k and v. The gate's chunk means are recomputed from
-the cache at each call. The registry entry (backends, gradient-check sampler
-and cases) is spec.py.
+the cache at each call.
+
+Document starts (docs/operators.md#document-starts): `starts`, a bool [B, T],
+True where a token begins a document. The state before it is the zero state,
+the empty cache: a query attends no key before the latest start at or before
+it, in the window or in the cache, and the chunk grid (the causal current
+chunk, the earlier chunks and their means) is counted from that start, so a
+packed row gives each document what it gives run alone from an empty cache.
+The cache keeps every key it read (a row cannot be trimmed alone: rows start
+documents at different tokens), so a call must be told where the cache's
+ongoing document began: `cache_starts`, a bool [B, P], the starts of the
+cached tokens as they were given (None: none). The state after a call is
+continued by `cache_starts = cat([cache_starts, starts], 1)`, which is what
+the layer keeps beside the cache (models/layers/moba.py); the registry's
+`starts` stays the one [B, T] of every op, and its states stay (k_cache,
+v_cache). The keys before a row's latest start are dead: no later call reads
+them, and the backends leave them out of their work. The registry entry
+(backends, gradient-check sampler and cases) is spec.py.
 """
 
 from __future__ import annotations
 
 import torch
 
-from rwkvx_cli.ops._checks import check_same_layout
+from rwkvx_cli.ops._checks import check_same_layout, check_starts
 from rwkvx_cli.ops.registry import get_op, resolve_backend
 
 INPUTS = ("q", "k", "v")
@@ -45,10 +61,13 @@ def moba(
     *,
     chunk_size: int,
     top_k: int,
+    starts: torch.Tensor | None = None,
+    cache_starts: torch.Tensor | None = None,
     backend: str = "auto",
 ) -> tuple[torch.Tensor, tuple[torch.Tensor, torch.Tensor]]:
     """MoBA attention over [B, T, H, N] inputs after the cached keys and values `state`; returns
-    y [B, T, H, N] in the input dtype and the state after them (the keys and values of every token)."""
+    y [B, T, H, N] in the input dtype and the state after them (the keys and values of every token).
+    `starts` (bool [B, T]) and `cache_starts` (bool [B, P], the cached tokens'): document starts."""
     check_same_layout(INPUTS, (q, k, v), ndim=4)
     if min(q.shape) < 1:
         raise ValueError(f"moba needs every dimension >= 1, got [B, T, H, N] = {list(q.shape)}")
@@ -59,8 +78,26 @@ def moba(
     if state is None:
         state = (k[:, :0], v[:, :0])
     check_cache(state, q)
-    bk = resolve_backend(get_op("moba"), backend, q.device)
-    return bk.fn(q, k, v, state, chunk_size=chunk_size, top_k=top_k)
+    B, T = q.shape[:2]
+    starts = check_starts(starts, B, T, q.device)
+    if cache_starts is not None:
+        check_cache_starts(cache_starts, B, state[0].shape[1])
+    spec = get_op("moba")
+    bk = resolve_backend(spec, backend, q.device)
+    x, extra = spec.with_starts(bk, dict(zip(INPUTS, (q, k, v), strict=True)), starts)
+    if cache_starts is not None:
+        extra["cache_starts"] = cache_starts.to(q.device)
+    return bk.fn(*x.values(), state, chunk_size=chunk_size, top_k=top_k, **extra)
+
+
+def check_cache_starts(cache_starts, B: int, P: int) -> None:
+    """The cached tokens' document starts: a bool [B, P]."""
+    if not isinstance(cache_starts, torch.Tensor):
+        raise ValueError(f"cache_starts must be a torch.Tensor, got {type(cache_starts).__name__}")
+    if cache_starts.dtype != torch.bool:
+        raise ValueError(f"cache_starts must be a bool tensor, got {cache_starts.dtype}")
+    if tuple(cache_starts.shape) != (B, P):
+        raise ValueError(f"cache_starts must have shape {(B, P)} ([B, P]), got {tuple(cache_starts.shape)}")
 
 
 def check_cache(state, q: torch.Tensor) -> None:
@@ -87,3 +124,18 @@ def with_cache(k: torch.Tensor, v: torch.Tensor, state) -> tuple[torch.Tensor, t
     if k_cache.shape[1] == 0:
         return k, v
     return torch.cat([k_cache.to(k.dtype), k], dim=1), torch.cat([v_cache.to(v.dtype), v], dim=1)
+
+
+def document_begins(starts, cache_starts, B: int, P: int, T: int, device) -> torch.Tensor | None:
+    """[B, P + T] long: the position (among the cache's P tokens and the T new ones) where each
+    token's document begins, 0 before any start; None when neither `starts` [B, T] nor
+    `cache_starts` [B, P] is given (one document: the op without starts)."""
+    if starts is None and cache_starts is None:
+        return None
+    flags = torch.zeros(B, P + T, dtype=torch.bool, device=device)
+    if cache_starts is not None:
+        flags[:, :P] = cache_starts.to(device)
+    if starts is not None:
+        flags[:, P:] = starts.to(device)
+    pos = torch.arange(P + T, device=device)
+    return torch.where(flags, pos, 0).cummax(dim=1).values

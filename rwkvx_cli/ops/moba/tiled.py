@@ -10,7 +10,9 @@ chunk by log-sum-exp. Autograd differentiates it all; what it saves is
 O(T * top_k * (c + N)) per head. The selection is `sparse`'s, computed for
 blocks of query chunks so its gate scores stay under SELECT_ELEMENTS. With cached
 keys and values (the state), only the query chunks holding the new queries are
-computed, against the keys of every token.
+computed, against the keys of every token. Document starts lay the tokens out on
+each document's own chunk grid, as in `sparse` (to_chunks), and restrict the
+selection to the query's document.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import math
 
 import torch
 
-from rwkvx_cli.ops.moba import with_cache
+from rwkvx_cli.ops.moba import document_begins, with_cache
 from rwkvx_cli.ops.moba.sparse import _select, from_chunks, to_chunks
 
 TILE = 32
@@ -43,11 +45,22 @@ def _pack(group: torch.Tensor, n_groups: int, tile: int):
     return tile_of, col_of, tile_group, int(tiles_per.sum())
 
 
-def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, *, chunk_size: int, top_k: int):
+def moba_tiled(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    state,
+    *,
+    chunk_size: int,
+    top_k: int,
+    starts: torch.Tensor | None = None,
+    cache_starts: torch.Tensor | None = None,
+):
     B, T, H, N = q.shape
     c = chunk_size
     keys, values = with_cache(k, v, state)
-    qc, kc, vc, first, offset, slots = to_chunks(q, keys, values, c, top_k)
+    begins = document_begins(starts, cache_starts, B, keys.shape[1] - T, T, q.device)
+    qc, kc, vc, first, slots, doc_first, where = to_chunks(q, keys, values, c, top_k, begins)
     n_chunks, nq = kc.shape[1], qc.shape[1]
     Z, Tq = B * H, nq * c
     scale = 1.0 / math.sqrt(N)
@@ -63,7 +76,11 @@ def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, *, chun
             # in T: select for blocks of query chunks so they never exceed SELECT_ELEMENTS.
             nb = max(1, SELECT_ELEMENTS // (Z * c * n_chunks))
             idx = torch.cat(
-                [_select(qc[:, f : f + nb].detach(), kc.detach(), first + f, slots) for f in range(0, nq, nb)], dim=1
+                [
+                    _select(qc[:, f : f + nb].detach(), kc.detach(), first + f, slots, doc_first)
+                    for f in range(0, nq, nb)
+                ],
+                dim=1,
             ).reshape(Z, Tq, slots)
             query = torch.arange(Z * Tq, device=q.device).reshape(Z, Tq, 1).expand(Z, Tq, slots)
             group = torch.arange(Z, device=q.device).reshape(Z, 1, 1) * n_chunks + idx
@@ -85,4 +102,4 @@ def moba_tiled(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, state, *, chun
         lse = m + torch.log(total)
         y = torch.exp(lse_own - lse)[:, None] * o_own
         y = y.index_add(0, pair_query, torch.exp(pair_lse - lse[pair_query])[:, None] * pair_out)
-    return from_chunks(y, q, offset), (keys, values)
+    return from_chunks(y, q, where), (keys, values)
