@@ -52,8 +52,6 @@ _UniqueKeyLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
 
 # More blocks than any model trains: a larger count is a typo, not a model to build.
 MAX_LAYERS = 10_000
-# The layer kinds whose ops take document starts (data.reset_at_eod; docs/operators.md#document-starts).
-RESETTING_KINDS = frozenset({"rwkv7", "gdn", "kda"})
 # Token ids are stored as int32 (binidx): no vocabulary is larger.
 MAX_VOCAB = 2**31 - 1
 MIN_BPE_VOCAB = 257  # a trained BPE's 256 bytes and its end-of-document token
@@ -256,13 +254,6 @@ class Config:
                 setattr(m, name, derived)
             if n_rest == 0:
                 raise ConfigError("model.layers: needs at least one recurrent layer besides moba")
-        if d.reset_at_eod:
-            kinds = set(m.layers) if m.layers else {"rwkv7", *(["moba"] if m.n_attn else [])}
-            if other := sorted(kinds - RESETTING_KINDS):
-                raise ConfigError(
-                    f"data.reset_at_eod: layer kind {other[0]!r} does not reset at document starts yet "
-                    f"({', '.join(sorted(RESETTING_KINDS))} do)"
-                )
         checks = [
             (m.n_embd >= 1, "model.n_embd", "must be >= 1"),
             (m.head_size >= 1, "model.head_size", "must be >= 1"),

@@ -1,10 +1,10 @@
 """What `rwkvx eval` computes for its options: one of its modes, the others' options refused.
 
-plain        validation loss, perplexity, bits per byte (evaluation/validation.py), with
-             --generate a sampled continuation
-tasks        --tasks: lm-evaluation-harness (evaluation/harness.py)
-by_position  --by-position: loss by token position (evaluation/long_context.py)
-passkey      --passkey LENGTHS: passkey retrieval (evaluation/long_context.py)
+    plain        validation loss, perplexity, bits per byte (evaluation/validation.py), with
+                 --generate a sampled continuation
+    tasks        --tasks: lm-evaluation-harness (evaluation/harness.py)
+    by_position  --by-position: loss by token position (evaluation/long_context.py)
+    passkey      --passkey LENGTHS: passkey retrieval (evaluation/long_context.py)
 """
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """The document-boundary ablation's figures: runs trained with and without data.reset_at_eod, each
 evaluated both ways (docs/training.md#should-i-reset-at-document-boundaries).
 
-    python -m rwkvx_cli.tools.reset_ablation RUN... [--max-len 8192] [--png PATH] [--json PATH]
+    python -m rwkvx_cli.evaluation.reset_ablation RUN... [--max-len 8192] [--png PATH] [--json PATH]
 
 Each RUN is a finished run directory (its newest good checkpoint is read). For every run and both
 evaluation settings (a fresh state at each end-of-document token, or the state carried across):

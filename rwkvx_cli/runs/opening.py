@@ -94,7 +94,7 @@ def open_checkpoint(
     if reset_at_eod is not None and reset_at_eod != ckpt.config.data.reset_at_eod:
         data = copy.deepcopy(ckpt.meta["config"])
         data.setdefault("data", {})["reset_at_eod"] = reset_at_eod
-        ckpt = replace(ckpt, config=config_from_dict(data))  # refuses a kind that does not reset, in one line
+        ckpt = replace(ckpt, config=config_from_dict(data))
     cfg = ckpt.config
     if check is not None:
         check(cfg)

@@ -1,11 +1,11 @@
 """The document-boundary ablation's tools: the short-document corpus (tools/short_documents.py) and
-the position of each token in its document (tools/reset_ablation.py)."""
+the position of each token in its document (evaluation/reset_ablation.py)."""
 
 import json
 
 import numpy as np
 
-from rwkvx_cli.tools.reset_ablation import document_positions
+from rwkvx_cli.evaluation.reset_ablation import document_positions
 from rwkvx_cli.tools.short_documents import main, paragraphs, short_documents
 
 

@@ -1,21 +1,26 @@
 """The model with document starts (LM.forward(..., starts=...)): a window of packed documents gives
 the logits, the loss and every parameter's gradient that the documents give run one by one, each
-from the zero state, for every layer kind that resets, fused and unfused, with grad_cp and chunked
-BPTT; in fp64 to 1e-10. The kinds whose ops do not reset yet refuse starts in one line."""
+from the zero state, for every layer kind and hybrids with MoBA, fused and unfused, with grad_cp and
+chunked BPTT, and read in pieces with the state carried; in fp64 to 1e-10."""
 
 from dataclasses import replace
 
 import pytest
 import torch
 
-from rwkvx_cli.config import LAYER_KINDS, RESETTING_KINDS, ModelConfig
+from rwkvx_cli.config import LAYER_KINDS, ModelConfig
 from rwkvx_cli.models import build_model
 
 BASE = ModelConfig(vocab_size=97, n_layer=2, n_embd=32, head_size=16)
-KINDS = {  # every kind of config.RESETTING_KINDS (test_every_resetting_kind_is_checked)
+KINDS = {  # every layer kind, and hybrids (test_every_layer_kind_is_checked)
     "rwkv7": {},
     "rwkv7_unfused": {"fused": False},
     "gdn_kda": {"layers": ["gdn", "kda"]},
+    "hybrid": {"layers": ["rwkv7", "moba", "rwkv7"], "moba_chunk": 4, "moba_top_k": 1},
+    "hybrid_top0": {"layers": ["moba", "rwkv7", "moba"], "moba_chunk": 3, "moba_top_k": 0, "fused": False},
+    "rwkv8_rwkv7": {"layers": ["rwkv8", "rwkv7"]},
+    "rwkv4": {"layers": ["rwkv4"]},
+    "rwkv4_unfused": {"layers": ["rwkv4"], "fused": False},
 }
 B, T = 2, 29
 STARTS = ((0, 5, 6, 13, 28), (11,))  # row 0: first token, back to back, last token; row 1: one start
@@ -93,9 +98,9 @@ def test_packed_documents_train_as_documents_apart(kind, mode):
         torch.testing.assert_close(grads[name], grads_apart[name], rtol=1e-10, atol=1e-10, msg=name)
 
 
-def test_every_resetting_kind_is_checked():
+def test_every_layer_kind_is_checked():
     checked = {k for spec in KINDS.values() for k in spec.get("layers", ["rwkv7"])}
-    assert checked == RESETTING_KINDS
+    assert checked == set(LAYER_KINDS)
 
 
 def test_without_starts_the_documents_leak_into_each_other():
@@ -109,8 +114,9 @@ def test_without_starts_the_documents_leak_into_each_other():
     torch.testing.assert_close(with_starts[1, :11], without[1, :11])  # before row 1's only start: the same
 
 
-def test_a_state_carried_into_the_window_is_dropped_at_its_first_start():
-    model = _model("gdn_kda")
+@pytest.mark.parametrize("kind", ["gdn_kda", "hybrid"])
+def test_a_state_carried_into_the_window_is_dropped_at_its_first_start(kind):
+    model = _model(kind)
     gen = torch.Generator().manual_seed(4)
     first, second = (torch.randint(0, 97, (B, T), generator=gen) for _ in range(2))
     with torch.no_grad():
@@ -122,10 +128,32 @@ def test_a_state_carried_into_the_window_is_dropped_at_its_first_start():
     torch.testing.assert_close(carried, fresh, rtol=1e-10, atol=1e-10)
 
 
-@pytest.mark.parametrize("kind", sorted(set(LAYER_KINDS) - RESETTING_KINDS))
-def test_kinds_that_do_not_reset_yet_refuse_starts(kind):
-    """Every kind config.RESETTING_KINDS leaves out (what data.reset_at_eod refuses) refuses starts."""
-    layers = ["rwkv7", kind] if kind == "moba" else [kind]
-    model = build_model(replace(BASE, layers=layers, n_layer=len(layers), moba_chunk=8), 0)
-    with pytest.raises(ValueError, match="does not reset at document starts yet"):
-        model(torch.zeros(1, 8, dtype=torch.long), starts=torch.zeros(1, 8, dtype=torch.bool))
+@pytest.mark.parametrize("kind", ["hybrid", "hybrid_top0"])
+@pytest.mark.parametrize("grad", [False, True])
+def test_pieces_with_the_state_carried_equal_the_whole_window(kind, grad):
+    """The window with starts, read in pieces (the state carried, MoBA's cache and its starts with
+    it), gives the logits of one whole read: pieces ending inside documents and on starts."""
+    model = _model(kind)
+    idx = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(5))
+    with torch.set_grad_enabled(grad):
+        whole, _ = model(idx, starts=_starts())
+        for cuts in ([6, 13], [1, 2, 3, 9, 20, 27], list(range(1, T))):
+            pieces, state, lo = [], None, 0
+            for hi in [*cuts, T]:
+                lg, state = model(idx[:, lo:hi], state, starts=_starts()[:, lo:hi])
+                pieces.append(lg)
+                lo = hi
+            torch.testing.assert_close(torch.cat(pieces, 1), whole, rtol=1e-10, atol=1e-10)
+
+
+def test_pieces_without_starts_then_with():
+    """A state read without starts gets its cache's starts (none) when a later piece has some."""
+    model = _model("hybrid")
+    idx = torch.randint(0, 97, (B, T), generator=torch.Generator().manual_seed(6))
+    starts = _starts()
+    starts[:, :10] = False
+    with torch.no_grad():
+        whole, _ = model(idx, starts=starts)
+        first, state = model(idx[:, :10])
+        second, _ = model(idx[:, 10:], state, starts=starts[:, 10:])
+    torch.testing.assert_close(torch.cat([first, second], 1), whole, rtol=1e-10, atol=1e-10)

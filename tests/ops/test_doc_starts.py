@@ -46,19 +46,35 @@ def _documents(row: int) -> list[tuple[int, int]]:
     return list(zip(cuts[:-1], cuts[1:], strict=True))
 
 
-def _slice(spec: OpSpec, tensors: dict, row: int, lo: int, hi: int) -> dict:
+def _fresh(spec: OpSpec, dtype) -> dict:
+    """The op's zero state, as its sampler draws it for a case without `nonzero_state` (zeros; for
+    wkv4, pp = -1e38)."""
+    base = _case(spec)
+    case = Case("fresh", base.dims, False, base.options, base.absent)
+    return {n: t.to(dtype) for n, t in spec.sample(case, torch.Generator().manual_seed(0)).items() if n in spec.states}
+
+
+def _slice(spec: OpSpec, tensors: dict, row: int, lo: int, hi: int, grows: bool, fresh: dict) -> dict:
     """Row `row`, times lo..hi of the sequence inputs; the states of the row (the window's initial
-    state for the first document unless it is a start, else zeros)."""
+    state for the first document unless it is a start, else the zero state: `fresh`'s, or for a
+    state that grows with the tokens read, none of them)."""
     out = {}
     for n, t in tensors.items():
         if n in spec.states:
             s = t[row : row + 1]
-            out[n] = s if lo == 0 and lo not in STARTS[row] else torch.zeros_like(s)
+            out[n] = s if lo == 0 and lo not in STARTS[row] else s[:, :0] if grows else fresh[n][row : row + 1]
         elif t.dim() >= 2 and t.shape[:2] == (B, T):
             out[n] = t[row : row + 1, lo:hi]
         else:
             out[n] = t
     return out
+
+
+def _grad(t: torch.Tensor) -> torch.Tensor:
+    """t's gradient; zeros where nothing reached it: an empty state (moba's cache before any token),
+    or an input that only feeds the state after its token (rwkv8's v and d in a one-token document
+    that is not its row's last)."""
+    return torch.zeros_like(t) if t.grad is None else t.grad
 
 
 @pytest.mark.parametrize(("name", "backend", "dtype"), list(_params()))
@@ -69,11 +85,20 @@ def test_packed_documents_equal_documents_run_apart(name, backend, dtype):
     sample = {n: t.to(dtype) for n, t in spec.sample(_case(spec), gen).items()}
     seq = [n for n in spec.inputs if sample[n].dim() >= 2 and sample[n].shape[:2] == (B, T)]
     with torch.no_grad():
-        y0, _ = spec.call(bk, sample, _case(spec))
+        y0, s0 = spec.call(bk, sample, _case(spec))
     cots = [torch.rand(y.shape, generator=gen, dtype=torch.float64).to(dtype) - 0.5 for y in y0]
-    cot_state = [
-        torch.rand(s.shape, generator=gen, dtype=torch.float64).to(dtype) - 0.5 for s in map(sample.get, spec.states)
-    ]
+    cot_state = [torch.rand(s.shape, generator=gen, dtype=torch.float64).to(dtype) - 0.5 for s in s0]
+    # A state that grows with the tokens read (moba's key-value cache) holds every token of the
+    # window, [B, P + T, ...]: only the part from the row's last start is the last document's state
+    # (the part before is dead, read by no later call), so only that part is compared and given a
+    # cotangent.
+    grows = any(s.shape != sample[n].shape for n, s in zip(spec.states, s0, strict=True))
+    live = torch.ones(B, s0[0].shape[1] if grows else 1, dtype=torch.bool)
+    if grows:
+        P = sample[spec.states[0]].shape[1]
+        for row in range(B):
+            live[row, : P + max(STARTS[row], default=-P)] = False
+        cot_state = [c * live.view(B, -1, *(1,) * (c.dim() - 2)) for c in cot_state]
 
     # Packed: one call with starts.
     leaves = {n: t.clone().requires_grad_(True) for n, t in sample.items()}
@@ -81,33 +106,38 @@ def test_packed_documents_equal_documents_run_apart(name, backend, dtype):
     loss = sum((o * c).sum() for o, c in zip(y, cots, strict=True))
     loss = loss + sum((s * c).sum() for s, c in zip(states, cot_state, strict=True))
     loss.backward()
-    packed = ([o.detach() for o in y], [s.detach() for s in states], {n: t.grad for n, t in leaves.items()})
+    states = [s.detach() * live.view(B, -1, *(1,) * (s.dim() - 2)) for s in states]
+    packed = ([o.detach() for o in y], states, {n: _grad(t) for n, t in leaves.items()})
 
     # Apart: each document of each row on its own, no starts.
+    fresh = _fresh(spec, dtype)
     ys = [torch.zeros_like(o) for o in y]
     finals = [torch.zeros_like(s) for s in states]
     grads = {n: torch.zeros_like(t) for n, t in sample.items()}
     for row in range(B):
         docs = _documents(row)
         for i, (lo, hi) in enumerate(docs):
-            piece = {n: t.clone().requires_grad_(True) for n, t in _slice(spec, sample, row, lo, hi).items()}
+            pieces = _slice(spec, sample, row, lo, hi, grows, fresh)
+            piece = {n: t.clone().requires_grad_(True) for n, t in pieces.items()}
             py, ps = spec.call(bk, piece, _document_case(spec, hi - lo))
             part = sum((o * c[row : row + 1, lo:hi]).sum() for o, c in zip(py, cots, strict=True))
             if i == len(docs) - 1:
-                part = part + sum((s * c[row : row + 1]).sum() for s, c in zip(ps, cot_state, strict=True))
+                # (a growing state: the last document's tokens end the row's)
+                tail = slice(-ps[0].shape[1], None) if grows else slice(None)
+                part = part + sum((s * c[row : row + 1, tail]).sum() for s, c in zip(ps, cot_state, strict=True))
                 for f, s in zip(finals, ps, strict=True):
-                    f[row : row + 1] = s.detach()
+                    f[row : row + 1, tail] = s.detach()
             part.backward()
             for o_all, o in zip(ys, py, strict=True):
                 o_all[row : row + 1, lo:hi] = o.detach()
             for n, t in piece.items():
                 if n in seq:
-                    grads[n][row : row + 1, lo:hi] = t.grad
+                    grads[n][row : row + 1, lo:hi] = _grad(t)
                 elif n in spec.states:
                     if lo == 0 and lo not in STARTS[row]:
-                        grads[n][row : row + 1] = t.grad
+                        grads[n][row : row + 1] = _grad(t)
                 else:
-                    grads[n] += t.grad
+                    grads[n] += _grad(t)
     tol = {"rtol": 1e-10, "atol": 1e-10} if dtype == torch.float64 else {"rtol": 1e-5, "atol": 1e-5}
     for a, b in zip(packed[0], ys, strict=True):
         torch.testing.assert_close(a, b, **tol)

@@ -29,14 +29,6 @@ def shifted(x: torch.Tensor, prev: torch.Tensor | None, starts: torch.Tensor | N
     return out if starts is None else out.masked_fill(starts[..., None], 0.0)
 
 
-def refuse_starts(kind: str, starts: torch.Tensor | None) -> None:
-    """A layer kind whose ops do not take document starts yet: a one-line error when given some."""
-    if starts is not None:
-        raise ValueError(
-            f"layer kind {kind!r} does not reset at document starts yet (docs/operators.md#document-starts)"
-        )
-
-
 class _ReluSquare(torch.autograd.Function):
     """relu(x)², saving relu(x) and computing the gradient 2 relu(x) dy in two passes. Autograd's
     graph of `relu(x) ** 2` takes four in the backward (a copy, two products, the relu mask) over
