@@ -187,7 +187,7 @@ def run_bench(
                     if reason is None and dtype == "fp64" and not bk.supports_fp64:
                         reason = "no fp64 support"
                     if reason is None and dims.get("starts_every") and not spec.resets_with(bk):
-                        reason = "does not reset at document starts"
+                        reason = "takes no document starts"  # a per-token op (rwkv7_prep, rwkv7_out)
                     if reason is not None:
                         rows.append(_skipped(spec, bk, dims, dtype, mode, reason))
                         continue

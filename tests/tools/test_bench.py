@@ -49,14 +49,14 @@ def test_bench_every_op_writes_json(tmp_path):
 
 def test_bench_times_document_starts_beside_each_row(tmp_path):
     path = tmp_path / "bench.json"
-    args = ["bench", "--op", "wkv7", "--op", "wkv4", "--backend", "cpu", "--baseline", "cpu", "--shape", "1,40,2,16"]
+    args = ["bench", "--op", "wkv7", "--op", "rwkv7_out", "--backend", "cpu", "--baseline", "cpu", "--shape", "1,40,2,16"]
     result = runner.invoke(app, [*args, "--starts-every", "8", "--json", str(path)])
     assert result.exit_code == 0, result.output
     rows = {(r["op"], r["dims"].get("starts_every", 0)): r for r in json.loads(path.read_text())["rows"]}
-    assert set(rows) == {("wkv7", 0), ("wkv7", 8), ("wkv4", 0), ("wkv4", 8)}
+    assert set(rows) == {("wkv7", 0), ("wkv7", 8), ("rwkv7_out", 0), ("rwkv7_out", 8)}
     assert rows[("wkv7", 8)]["error"] is None and rows[("wkv7", 8)]["median_ms"] > 0
-    assert rows[("wkv4", 8)]["error"] == "does not reset at document starts"
-    assert rows[("wkv4", 0)]["error"] is None
+    assert rows[("rwkv7_out", 8)]["error"] == "takes no document starts"  # it mixes no tokens
+    assert rows[("rwkv7_out", 0)]["error"] is None
     assert "·doc 8" in result.output
 
 
