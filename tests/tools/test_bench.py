@@ -49,7 +49,8 @@ def test_bench_every_op_writes_json(tmp_path):
 
 def test_bench_times_document_starts_beside_each_row(tmp_path):
     path = tmp_path / "bench.json"
-    args = ["bench", "--op", "wkv7", "--op", "rwkv7_out", "--backend", "cpu", "--baseline", "cpu", "--shape", "1,40,2,16"]
+    args = ["bench", "--op", "wkv7", "--op", "rwkv7_out", "--backend", "cpu", "--baseline", "cpu"]
+    args += ["--shape", "1,40,2,16"]
     result = runner.invoke(app, [*args, "--starts-every", "8", "--json", str(path)])
     assert result.exit_code == 0, result.output
     rows = {(r["op"], r["dims"].get("starts_every", 0)): r for r in json.loads(path.read_text())["rows"]}
