@@ -172,6 +172,11 @@ class TrainConfig:
     eval_tokens: int = 65_536
     ckpt_interval: int = 200  # steps
     keep_last: int = 3
+    # How a checkpoint is written: "full" gathers the whole weights and optimizer state and rank 0
+    # writes them (model.safetensors, optimizer.safetensors); "sharded" has every rank write its own
+    # rows in parallel (runs/sharded.py), nothing gathered. Either resumes on any number of ranks,
+    # and a run resumes from either whatever this says.
+    checkpoint_format: str = "full"
     # Truncated BPTT: each batch row reads consecutive windows of one stream and the
     # recurrent state (WKV state and token shifts) carries over, detached, between steps.
     tbptt: bool = False
@@ -282,6 +287,7 @@ class Config:
             (t.keep_last >= 1, "train.keep_last", "must be >= 1"),
             (t.eval_interval >= 1, "train.eval_interval", "must be >= 1"),
             (t.ckpt_interval >= 1, "train.ckpt_interval", "must be >= 1"),
+            (t.checkpoint_format in ("full", "sharded"), "train.checkpoint_format", "must be full or sharded"),
             (t.device in ("auto", "cpu", "cuda"), "train.device", "must be auto, cpu or cuda"),
             (t.precision in PRECISIONS, "train.precision", f"{t.precision!r} is not one of {', '.join(PRECISIONS)}"),
             (t.distributed in ("ddp", "fsdp"), "train.distributed", "must be ddp or fsdp"),

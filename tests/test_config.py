@@ -47,6 +47,7 @@ def test_defaults_and_dotted_overrides(tmp_path):
         ("model.ln_x_eps=0", "model.ln_x_eps: must be a finite number > 0"),
         ("model.ln_x_eps=-1e-5", "model.ln_x_eps: must be a finite number > 0"),
         ("model.ln_x_eps=.inf", "model.ln_x_eps: expected a finite number"),
+        ("train.checkpoint_format=dcp", "train.checkpoint_format: must be full or sharded"),
     ],
 )
 def test_bad_values_name_the_field(override, message):

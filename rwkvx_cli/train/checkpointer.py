@@ -214,7 +214,7 @@ OPERATIONAL = frozenset(
         for k in (
             "eval_interval", "eval_tokens", "ckpt_interval", "keep_last", "log_interval", "loggers", "wandb_project",
             "wandb_name", "profile_steps", "nonfinite", "nonfinite_limit", "device", "distributed", "compile",
-            "grad_cp", "init_from",
+            "grad_cp", "init_from", "checkpoint_format",
         )
     }
 )
