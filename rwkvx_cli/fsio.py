@@ -137,7 +137,8 @@ def check_place(path: Path | str, flag: str = "--out") -> None:
     full = Path(os.path.abspath(path))
     for d in full.parents:
         in_root = d == full.parent and any(d.glob("step_*/meta.json"))  # a run's checkpoints folder
-        if in_root or (d / "meta.json").is_file() and (d / "model.safetensors").is_file():
+        weights = (d / "model.safetensors").is_file() or (d / "index.json").is_file()  # full or sharded
+        if in_root or (d / "meta.json").is_file() and weights:
             raise UsageError(f"{flag} {path} is inside a checkpoint ({d}); write it elsewhere")
         if (d / DATA_MARKER).exists():
             raise UsageError(f"{flag} {path} is inside a prepared-data directory ({d}); write it elsewhere")

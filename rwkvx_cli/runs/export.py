@@ -23,7 +23,6 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import save_file
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.errors import RwkvxError, UsageError
@@ -31,7 +30,8 @@ from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.formats import export_hf, export_rwkv_x
-from rwkvx_cli.runs.formats.tensors import TensorSource, open_tensors
+from rwkvx_cli.runs.formats.tensors import TensorSource
+from rwkvx_cli.runs.formats.write import write_safetensors
 from rwkvx_cli.runs.opening import find_checkpoint
 from rwkvx_cli.runs.tokenizers import run_tokenizer
 
@@ -57,7 +57,8 @@ def export_checkpoint(
     if fmt in ("rwkv-lm", "hf") and other:
         raise RwkvxError(f"the {fmt} format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
     eps_warnings = eps_problem(ckpt.config.model, fmt, force)
-    with open_tensors(ckpt.path / "model.safetensors") as source:  # verified by find_checkpoint
+    # Verified by find_checkpoint; model.safetensors, or a sharded checkpoint's shards, tensor by tensor.
+    with store.open_weights(ckpt.path, ckpt.meta) as source:
         warnings = eps_warnings + value_problems(source, DTYPES[dtype], str(ckpt.path), force)
         try:
             if fmt == "hf":
@@ -137,19 +138,44 @@ def _tokenizer(ckpt):
         return None
 
 
+class _Cast(TensorSource):
+    """`base`'s tensors, each cast to `dtype` when it is read."""
+
+    def __init__(self, base: TensorSource, dtype: torch.dtype):
+        self.base, self.to = base, dtype
+
+    def names(self):
+        return self.base.names()
+
+    def shape(self, name):
+        return self.base.shape(name)
+
+    def dtype(self, name):
+        return self.to
+
+    def get(self, name):
+        return self.base.get(name).to(self.to).contiguous()
+
+    def release(self, name):
+        self.base.release(name)
+
+
 def _write_file(source: TensorSource, out: Path, fmt: str, dtype: torch.dtype, meta: dict) -> dict:
-    tensors = {name: source.get(name).to(dtype).contiguous() for name in source.names()}
+    """One file; safetensors is streamed tensor by tensor (a sharded checkpoint's too: its rows are
+    gathered one tensor at a time, so the model is never held whole); rwkv-lm's torch.save takes a dict."""
+    names = source.names()
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp, f = create_temp(out)  # a new file: a link planted at the temporary name is not followed
     try:
         with f:
             if fmt == "rwkv-lm":
-                torch.save(tensors, f)
+                torch.save({name: source.get(name).to(dtype).contiguous() for name in names}, f)
         if fmt == "safetensors":
-            save_file(tensors, tmp, metadata={"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])})
+            info = {"rwkvx_config": json.dumps(meta["config"]), "step": str(meta["step"])}
+            write_safetensors(_Cast(source, dtype), tmp, names, info)
         fsync_path(tmp)
         os.replace(tmp, out)
     except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         tmp.unlink(missing_ok=True)
         raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
-    return {"out": str(out), "format": fmt, "tensors": len(tensors)}
+    return {"out": str(out), "format": fmt, "tensors": len(names)}

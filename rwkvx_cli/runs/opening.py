@@ -103,7 +103,11 @@ def open_checkpoint(
     runtime.apply()
     check_model(cfg.model, runtime.device)  # a forged meta.json can ask for any size
     model = LM(cfg.model)
-    load_into(model, store.load_weights(ckpt.path), str(ckpt.path))
+    if store.is_sharded(ckpt.meta):  # read tensor by tensor from the shards: never a second copy of the model
+        with store.open_weights(ckpt.path, ckpt.meta) as weights:
+            load_into(model, weights, str(ckpt.path))
+    else:
+        load_into(model, store.load_weights(ckpt.path), str(ckpt.path))
     model.to(runtime.device)
     model.eval()
     return Opened(model, tokenizer, runtime, ckpt)

@@ -115,7 +115,7 @@ def _one_line(e: BaseException) -> str:
     return text[0] if text else type(e).__name__
 
 
-def _together(
+def together(
     fn: Callable[[], object],
     fail: Callable[[str], str],
     on_failure: Callable[[], None] | None = None,
@@ -295,7 +295,7 @@ def save_sharded(
             tmp.mkdir()
         return pieces, opt_part
 
-    pieces, opt_part = _together(prepare, fail, clean)
+    pieces, opt_part = together(prepare, fail, clean)
 
     # 2. Every rank writes, fsyncs and hashes its own file (the directory exists: rank 0 made it before agreeing).
     def write():
@@ -308,7 +308,7 @@ def save_sharded(
         chunks = [(p.name, p.start, p.stop) for p in pieces if p.local is not None]
         return name, (tmp / name).stat().st_size, _sha256_of(tmp / name), declared, chunks
 
-    reports = _together(write, fail, clean, share=True)
+    reports = together(write, fail, clean, share=True)
 
     # 3. Rank 0 checks that the rows tile every tensor, writes index.json and meta.json (last), renames.
     def commit():
@@ -337,7 +337,7 @@ def save_sharded(
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    return _together(commit, fail, clean)
+    return together(commit, fail, clean)
 
 
 def _build_index(world: int, reports: list, opt_part: dict | None) -> dict:
@@ -660,7 +660,7 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         return why
 
     # 1. Check meta.json and index.json (every rank), and the files' SHA-256 (split over the ranks).
-    meta, index = _together(lambda: verify(ckpt, (rank, world)), fail)
+    meta, index = together(lambda: verify(ckpt, (rank, world)), fail)
 
     # 2. Read this rank's rows into new tensors, checked against the model and optimizer.
     def read():
@@ -681,7 +681,7 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
             src.close()
             osrc.close()
 
-    weights, osd = _together(read, fail)
+    weights, osd = together(read, fail)
 
     # 3. Load (every rank got this far, so none is left waiting in a collective).
     def apply():
@@ -694,7 +694,7 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         except (RuntimeError, KeyError, TypeError, OverflowError) as e:  # as checkpointer.load_latest's
             raise CheckpointError(_one_line(e)) from None
 
-    _together(apply, lambda why: f"{ckpt} cannot be loaded: {why}")
+    together(apply, lambda why: f"{ckpt} cannot be loaded: {why}")
     return meta
 
 

@@ -1,12 +1,13 @@
 """The checkpoint store: tensors in safetensors, everything else in JSON; never pickle.
 
 Layout: <run>/checkpoints/step_00000100/{model.safetensors, optimizer.safetensors,
-[extra.safetensors], meta.json}. A checkpoint is written under a temporary name, its
-files fsynced, then the directory is renamed into place, so a crash never leaves a
-partial checkpoint under a real name. `meta.json` is written last and lists every
-file's size and SHA-256: a checkpoint counts only when meta.json is complete, and it
-is used only when every file matches. Loading takes the newest such checkpoint and
-falls back to older ones past a damaged one (which is renamed `corrupt-step_...`).
+[extra.safetensors], meta.json}, or a sharded checkpoint's shards and index (runs/sharded.py,
+told apart by its meta.json: `is_sharded`; verified, listed, kept and set aside here as a full
+one). A checkpoint is written under a temporary name, its files fsynced, then the directory is
+renamed into place, so a crash never leaves a partial checkpoint under a real name. `meta.json`
+is written last and lists every file's size and SHA-256: a checkpoint counts only when meta.json
+is complete, and it is used only when every file matches. Loading takes the newest such
+checkpoint and falls back to older ones past a damaged one (which is renamed `corrupt-step_...`).
 """
 
 from __future__ import annotations
@@ -208,9 +209,28 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
+def is_sharded(meta: dict) -> bool:
+    """Whether a checkpoint's meta.json is a sharded checkpoint's (runs/sharded.py)."""
+    from rwkvx_cli.runs import sharded  # sharded builds on this module: imported when used
+
+    return sharded.is_sharded(meta)
+
+
+def is_checkpoint_dir(path: Path) -> bool:
+    """Whether `path` looks like one checkpoint (meta.json beside its weights: model.safetensors, or a
+    sharded checkpoint's index.json), not a run directory or checkpoints folder; nothing is verified."""
+    path = Path(path)
+    return (path / "meta.json").is_file() and any((path / n).is_file() for n in ("model.safetensors", "index.json"))
+
+
 def verify(ckpt: Path) -> dict:
-    """meta.json, after checking it and every file it lists against their SHA-256."""
+    """meta.json, after checking it and every file it lists against their SHA-256 (a sharded
+    checkpoint's index and shards too: runs/sharded.py)."""
     meta = read_meta(ckpt)
+    if is_sharded(meta):
+        from rwkvx_cli.runs import sharded
+
+        return sharded.verify(ckpt)[0]
     if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
         raise CheckpointError(f"{ckpt / 'meta.json'} does not match its own checksum (corrupted)")
     if _is_step_dir(ckpt) and meta["step"] != step_of(ckpt):
@@ -242,6 +262,19 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
 
 def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
     return read_safetensors(ckpt / "model.safetensors")
+
+
+def open_weights(ckpt: Path, meta: dict):
+    """The weights of a verified checkpoint (`meta`: its meta.json) as a TensorSource, read tensor by
+    tensor: model.safetensors memory-mapped, or a sharded checkpoint's rows gathered from its shards
+    one tensor at a time, so that neither is ever held whole besides the model it goes into."""
+    if is_sharded(meta):
+        from rwkvx_cli.runs import sharded
+
+        return sharded.ShardedSource(ckpt, sharded.read_index(ckpt, meta), "model/")
+    from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
+
+    return SafetensorsFiles([ckpt / "model.safetensors"])
 
 
 def load_extra(ckpt: Path) -> dict[str, torch.Tensor]:
@@ -282,7 +315,7 @@ def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None =
     """(checkpoint directory, its verified meta.json) from a checkpoint directory itself, or the newest
     good one of a run directory or checkpoints folder."""
     path = Path(path)
-    if (path / "meta.json").is_file() and (path / "model.safetensors").is_file():
+    if is_checkpoint_dir(path):
         return path, verify(path)
     for root in (path / "checkpoints", path):
         if step_dirs(root):

@@ -17,10 +17,13 @@ def check_finite(weights: dict[str, torch.Tensor], source: str) -> None:
             raise CheckpointError(f"{source}: {name} holds non-finite values")
 
 
-def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
+def load_into(model, weights, source: str) -> None:
     """Strict load that reports every missing, unexpected or mis-shaped tensor, refuses a tensor that is
     not floating point where the model's is (an integer or bool tensor would be cast into weights), and
-    NaN/inf, including values the model's dtype cannot hold (an fp64 1e300 would load as inf)."""
+    NaN/inf, including values the model's dtype cannot hold (an fp64 1e300 would load as inf).
+    `weights`: a state dict, or a TensorSource (a sharded checkpoint's) read one tensor at a time."""
+    if not isinstance(weights, dict):
+        return _load_streaming(model, weights, source)
     own = model.state_dict()
     problems = mismatch(own, weights)
     if problems:
@@ -34,6 +37,34 @@ def load_into(model, weights: dict[str, torch.Tensor], source: str) -> None:
             want = str(own[name].dtype).removeprefix("torch.")
             raise CheckpointError(f"{source}: {name} holds values too large for the model's {want}")
     model.load_state_dict(weights)
+
+
+def _load_streaming(model, weights, source: str) -> None:
+    """load_into from a TensorSource, one tensor at a time, so that the weights are never held twice (the
+    model's, and a second copy to load from). Names, shapes and dtypes are checked before any value is
+    read; a tensor found non-finite (or too large) stops the load with the model partly loaded: the
+    caller discards it, as it does on any failure."""
+    own = model.state_dict()
+    names = weights.names()
+    shapes = {n: torch.empty(weights.shape(n), dtype=weights.dtype(n), device="meta") for n in names}
+    problems = mismatch(own, shapes)
+    if problems:
+        raise CheckpointError(f"{source} does not match the model: {problems}")
+    for name in names:
+        if own[name].is_floating_point() and not weights.dtype(name).is_floating_point:
+            dtype = str(weights.dtype(name)).removeprefix("torch.")
+            raise CheckpointError(f"{source}: {name} is {dtype}, not floating point")
+    with torch.no_grad():
+        for name in names:
+            t = weights.get(name)
+            check_finite({name: t}, source)
+            want = own[name].dtype
+            if t.is_floating_point() and t.dtype != want and not torch.isfinite(t.to(want)).all():
+                dtype = str(want).removeprefix("torch.")
+                raise CheckpointError(f"{source}: {name} holds values too large for the model's {dtype}")
+            own[name].copy_(t)
+            del t
+            weights.release(name)
 
 
 def mismatch(own: dict[str, torch.Tensor], weights: dict[str, torch.Tensor]) -> str:

@@ -1,10 +1,12 @@
 """What a training run checkpoints, and when; resuming from the newest good checkpoint.
 
-A checkpoint holds the full (unsharded) weights and optimizer state, the torch RNG,
-the non-finite step counters and, with truncated BPTT, the recurrent state each
-micro-batch carries into the next step. With those the run resumes bit for bit:
-batches are a pure function of (seed, step). The files themselves (safetensors,
-meta.json with checksums, atomic renames, keep-last) are the store's (runs/store.py).
+A checkpoint holds the weights and optimizer state, the torch RNG, the non-finite step
+counters and, with truncated BPTT, the recurrent state each micro-batch carries into the
+next step. With those the run resumes bit for bit: batches are a pure function of (seed,
+step). The files themselves (safetensors, meta.json with checksums, atomic renames,
+keep-last) are the store's (runs/store.py): `train.checkpoint_format: full` gathers the
+weights and optimizer state and rank 0 writes them; `sharded` has every rank write its own
+rows (runs/sharded.py). A run resumes from either format, whatever the setting says.
 """
 
 from __future__ import annotations
@@ -17,7 +19,7 @@ import torch
 
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.models.optimizer import IMPLEMENTATION
-from rwkvx_cli.runs import store
+from rwkvx_cli.runs import sharded, store
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
@@ -41,11 +43,12 @@ class Restored:
 
 class CheckpointManager:
     """Saves every `train.ckpt_interval` steps and at the last step (or when forced, on a stop
-    request), keeping the newest `train.keep_last`; under FSDP every rank takes part in gathering
-    the state and rank 0 writes it. `before_save()` runs first: the trainer fsyncs its metrics
-    there, so that a checkpoint on disk never lacks the metric lines up to it. `guard()` runs on rank 0
-before anything is written and raises when the run directory is no longer this process's
-(runs/lock.py)."""
+    request), keeping the newest `train.keep_last`; in the full format every rank takes part in
+    gathering the state (under FSDP) and rank 0 writes it, in the sharded format every rank writes
+    its own rows. `before_save()` runs first: the trainer fsyncs its metrics there, so that a
+    checkpoint on disk never lacks the metric lines up to it. `guard()` runs on rank 0 before
+    anything is written and raises when the run directory is no longer this process's
+    (runs/lock.py)."""
 
     def __init__(
         self,
@@ -77,16 +80,10 @@ before anything is written and raises when the run directory is no longer this p
     def save(
         self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
     ) -> Path | None:
-        """Write the checkpoint of `step`; its path on rank 0, None on the others."""
+        """Write the checkpoint of `step`, in train.checkpoint_format; its path on rank 0, None on the others."""
         if self.before_save is not None:
             self.before_save()
-        weights, optim_state = distributed.full_state(self.model, self.optimizer)
-        carry_tensors = self._carry_tensors(carry)
-        if not self.dist.is_main:
-            return None
-        if self.guard is not None:
-            self.guard()  # the run directory is still the one this process holds
-        meta = {
+        meta = {  # rank 0's is written (the RNG every rank restores is rank 0's, in both formats)
             "config": config_to_dict(self.cfg),
             "torch_rng": torch.get_rng_state().tolist(),
             "world_size": self.dist.world_size,
@@ -94,7 +91,31 @@ before anything is written and raises when the run directory is no longer this p
             "skipped_steps": skipped_steps,
             "nonfinite_in_row": nonfinite_in_row,
         }
+        if self.cfg.train.checkpoint_format == "sharded":
+            return self._save_sharded(step, carry, meta)
+        weights, optim_state = distributed.full_state(self.model, self.optimizer)
+        carry_tensors = self._carry_tensors(carry)
+        if not self.dist.is_main:
+            return None
+        if self.guard is not None:
+            self.guard()  # the run directory is still the one this process holds
         return store.save_checkpoint(self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors)
+
+    def _save_sharded(self, step: int, carry: Carry, meta: dict) -> Path | None:
+        """Every rank writes its own rows of the weights and optimizer state (runs/sharded.py), nothing
+        gathered but the TBPTT carry, which rank 0 writes whole as in a full checkpoint. The ranks agree
+        on the guard's answer first, so that a run directory no longer ours stops every rank rather than
+        leaving the others waiting in the save."""
+        carry_tensors = self._carry_tensors(carry)
+
+        def check() -> None:
+            if self.dist.is_main and self.guard is not None:
+                self.guard()  # the run directory is still the one this process holds
+
+        sharded.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
+        return sharded.save_sharded(
+            self.root, step, self.model, self.optimizer, meta, self.keep_last, carry_tensors or None
+        )
 
     def _carry_tensors(self, carry: Carry) -> dict[str, torch.Tensor]:
         """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run
@@ -122,13 +143,37 @@ before anything is written and raises when the run directory is no longer this p
                     f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
                     "resume from. Repair one, or train afresh without --resume"
                 )
-        name, refusal = distributed.broadcast((found[0].name if found else None, refusal))
+        is_sharded = bool(found) and store.is_sharded(found[1])
+        name, refusal, is_sharded = distributed.broadcast((found[0].name if found else None, refusal, is_sharded))
         if refusal is not None:
             raise CheckpointError(refusal)
         if name is None:
             return None
         path = self.root / name
-        meta = found[1] if found else store.verify(path)
+        if is_sharded:  # every rank reads its own rows (load_sharded), whatever number of ranks wrote them
+            meta, load = self._sharded_loader(path)
+        else:
+            meta, load = self._full_loader(path, found[1] if found else None)
+        try:
+            rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
+            skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
+            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
+            load()
+            # The groups' settings (betas, eps, weight decay, lr_scale) are the config's, which the resume
+            # compared with the checkpoint's: a saved value that differs is damage or an allowed change.
+            for group, own in zip(self.optimizer.param_groups, settings, strict=True):
+                group.update(own)
+            torch.set_rng_state(rng)
+        except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
+            raise CheckpointError(f"{path} cannot be loaded: {e}") from None
+        carry = self._restore_carry(store.load_extra(path), str(path))
+        return Restored(meta["step"], tokens_trained(meta), skipped, in_row, carry)
+
+    def _full_loader(self, path: Path, meta: dict | None) -> tuple[dict, Callable[[], None]]:
+        """(meta.json, what loads it) for a full checkpoint: every rank reads the whole weights and
+        optimizer state and checks them against the model before anything is loaded. `meta`: rank 0's
+        verified meta.json (None on the other ranks: they verify it here)."""
+        meta = meta if meta is not None else store.verify(path)
         weights = store.load_weights(path)
         own = self.model.state_dict()  # full shapes: a sharded DTensor reports its global shape
         problems = mismatch(own, weights)
@@ -139,20 +184,23 @@ before anything is written and raises when the run directory is no longer this p
         if optim_state is not None:
             shapes = [own[n].shape for n in distributed.param_names(self.model, self.optimizer)]
             check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
-        try:
-            rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
-            skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
-            settings = [{k: v for k, v in g.items() if k != "params"} for g in self.optimizer.param_groups]
-            distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
-            # The groups' settings (betas, eps, weight decay, lr_scale) are the config's, which the resume
-            # compared with the checkpoint's: a saved value that differs is damage or an allowed change.
-            for group, own in zip(self.optimizer.param_groups, settings, strict=True):
-                group.update(own)
-            torch.set_rng_state(rng)
-        except (ValueError, RuntimeError, KeyError, TypeError, OverflowError) as e:
-            raise CheckpointError(f"{path} cannot be loaded: {e}") from None
-        carry = self._restore_carry(store.load_extra(path), str(path))
-        return Restored(meta["step"], tokens_trained(meta), skipped, in_row, carry)
+        return meta, lambda: distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
+
+    def _sharded_loader(self, path: Path) -> tuple[dict, Callable[[], None]]:
+        """(meta.json, what loads it) for a sharded checkpoint: meta.json and index.json are read and
+        the optimizer's groups checked against this run's on every rank (the ranks agree on the outcome);
+        the load (sharded.load_sharded) verifies each rank's share of the files, reads only the rows
+        that rank holds and checks them before anything is loaded."""
+
+        def read() -> dict:
+            meta = sharded.read_meta(path)
+            index = sharded.read_index(path, meta)
+            if index.optimizer is not None:
+                check_optimizer_groups(index.optimizer["param_groups"], self.optimizer.param_groups, str(path))
+            return meta
+
+        meta = sharded.together(read, lambda why: why)
+        return meta, lambda: sharded.load_sharded(path, self.model, self.optimizer)
 
     def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
         """This rank's per-micro-batch carry from the global-batch tensors (None when the checkpoint
@@ -276,15 +324,15 @@ def _same_kind(saved, live) -> bool:
     return type(saved) is type(live)
 
 
-def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[torch.Size], source: str) -> None:
-    """The saved optimizer state fits this optimizer: the same groups and settings, and moment
-    tensors of the parameters' shapes (`shapes`, in the optimizer's order)."""
+def check_optimizer_groups(groups, live_groups: list[dict], source: str) -> None:
+    """The saved optimizer groups (a full checkpoint's, parameters by index; a sharded one's, by name)
+    fit this optimizer's: as many, each with as many parameters and settings of the same kinds, and
+    the same flags (amsgrad, maximize, ...: they change the algorithm)."""
 
     def bad(why: str):
         return CheckpointError(f"{source}: the optimizer state does not fit this run: {why}")
 
-    groups, items = state.get("param_groups"), state.get("state")
-    if not isinstance(groups, list) or not isinstance(items, dict) or len(groups) != len(live_groups):
+    if not isinstance(groups, list) or len(groups) != len(live_groups):
         raise bad(f"expected {len(live_groups)} parameter groups")
     for i, (g, live) in enumerate(zip(groups, live_groups, strict=True)):
         if not isinstance(g, dict) or not isinstance(g.get("params"), list) or len(g["params"]) != len(live["params"]):
@@ -296,6 +344,19 @@ def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[tor
                 raise bad(f"group {i} setting {key!r} is {g.get(key)!r}")
             if isinstance(val, bool) and g.get(key) != val:  # a flag (amsgrad, maximize, ...) changes the algorithm
                 raise bad(f"group {i} setting {key!r} is {g.get(key)!r}, this run's {val!r}")
+
+
+def check_optimizer_state(state: dict, live_groups: list[dict], shapes: list[torch.Size], source: str) -> None:
+    """The saved optimizer state fits this optimizer: the same groups and settings, and moment
+    tensors of the parameters' shapes (`shapes`, in the optimizer's order)."""
+
+    def bad(why: str):
+        return CheckpointError(f"{source}: the optimizer state does not fit this run: {why}")
+
+    groups, items = state.get("param_groups"), state.get("state")
+    if not isinstance(items, dict):
+        raise bad(f"expected {len(live_groups)} parameter groups")
+    check_optimizer_groups(groups, live_groups, source)
     ids = [i for g in groups for i in g["params"]]
     if sorted(ids, key=str) != sorted(range(len(shapes)), key=str):
         raise bad("the parameter indices are not 0..n-1")

@@ -57,12 +57,16 @@ def _rwkvx_ln_x_eps(source: TensorSource) -> float | None:
     import math
 
     from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
+    from rwkvx_cli.runs.sharded import ShardedSource
 
-    if not isinstance(source, SafetensorsFiles) or len(source.paths) != 1:
+    if isinstance(source, ShardedSource):  # a sharded checkpoint: its meta.json, verified when it was opened
+        path = source.ckpt / "meta.json"
+    elif not isinstance(source, SafetensorsFiles) or len(source.paths) != 1:
         return None
-    path = source.paths[0]
+    else:
+        path = source.paths[0]
     try:
-        if "rwkvx_config" in source.metadata:
+        if isinstance(source, SafetensorsFiles) and "rwkvx_config" in source.metadata:
             config = json.loads(source.metadata["rwkvx_config"])
         elif (path.parent / "meta.json").is_file():
             config = json.loads((path.parent / "meta.json").read_text(encoding="utf-8"))["config"]

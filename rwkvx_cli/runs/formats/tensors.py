@@ -455,9 +455,9 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
             return open_shards(path)
         if (path / "model.safetensors").is_file() and not (path / "meta.json").is_file():
             return SafetensorsFiles([path / "model.safetensors"])
-        from rwkvx_cli.runs.store import resolve_checkpoint  # the store's own finder (verifies checksums)
+        from rwkvx_cli.runs.store import open_weights, resolve_checkpoint  # the store's own finder (verifies)
 
-        return SafetensorsFiles([resolve_checkpoint(path)[0] / "model.safetensors"])
+        return open_weights(*resolve_checkpoint(path))  # model.safetensors, or a sharded checkpoint's shards
     if not path.is_file():
         raise FormatError(f"weights not found: {path}")
     if path.suffix == ".safetensors":
