@@ -4,7 +4,8 @@ a single process, so the trainer has one code path.
 
 Each rank reads rows rank, rank + N, ... of the step's global batch (a function of seed
 and step), so the global batch, and with it the loss, does not depend on N.
-Checkpoints hold full (unsharded) tensors: they load into any number of ranks and either mode.
+Full checkpoints hold whole tensors (`full_state`, `load_full_state`), sharded ones each rank's
+rows (runs/sharded.py): either loads into any number of ranks and either mode.
 """
 
 from __future__ import annotations

@@ -153,7 +153,8 @@ class Trainer:
 
     # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
     def save(self) -> Path | None:
-        """Checkpoint now (rank 0 writes; under FSDP every rank takes part in gathering it)."""
+        """Checkpoint now (full: rank 0 writes, under FSDP every rank takes part in gathering it;
+        sharded: every rank writes its own rows)."""
         return self.checkpoints.save(self.step, self.carry, **self._counters())
 
     def _counters(self) -> dict:

@@ -165,8 +165,10 @@ def test_the_holder_sees_its_run_directory_moved_or_replaced(tmp_path):
             lock.check()
 
 
-def test_a_lost_run_directory_stops_the_checkpoint_before_it_writes(tmp_path, corpus):
-    """The trainer's checkpoints call the lock's check first: nothing is written once it fails."""
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_lost_run_directory_stops_the_checkpoint_before_it_writes(tmp_path, corpus, fmt):
+    """The trainer's checkpoints call the lock's check first: nothing is written once it fails (in
+    either checkpoint format)."""
     from rwkvx_cli.config import load_config
     from rwkvx_cli.models import build_model
     from rwkvx_cli.runs.data import ensure_data
@@ -176,7 +178,7 @@ def test_a_lost_run_directory_stops_the_checkpoint_before_it_writes(tmp_path, co
     def lost():
         raise RunLockLost("the run directory was replaced")
 
-    cfg = load_config(None, tiny_args(tmp_path / "run", corpus, *SHORT))
+    cfg = load_config(None, tiny_args(tmp_path / "run", corpus, *SHORT, f"train.checkpoint_format={fmt}"))
     data = ensure_data(cfg, tmp_path / "run")
     model = build_model(cfg.model, 0)
     trainer = Trainer(cfg, tmp_path / "run", model, data.train.tokens, data.val.tokens, data.tokenizer, guard=lost)
