@@ -85,10 +85,10 @@ def test_a_resume_switches_the_format_either_way_exactly(runs, tmp_path, corpus)
     assert all(sharded.is_sharded(store.verify(ckpts / n)) for n in names(run))
 
     rollback_to(run, 8)  # a sharded checkpoint, resumed writing full ones
-    result = train(*tiny_args(run, corpus, *TBPTT, FULL, "train.keep_last=2"), "--resume")
+    result = train(*tiny_args(run, corpus, *TBPTT, FULL, "train.keep_last=1"), "--resume")
     assert "resumed from step 8" in result.stderr
     assert losses(run) == reference
-    assert names(run) == ["step_00000008", "step_00000010"]
+    assert names(run) == ["step_00000010"]  # the full save's keep_last removed the sharded step 8
     assert (ckpts / "step_00000010" / "model.safetensors").is_file()
     assert not store.is_sharded(store.verify(ckpts / "step_00000010"))
 
@@ -109,6 +109,11 @@ def test_eval_export_and_init_read_a_sharded_checkpoint_as_the_full_one(runs, tm
         assert result.exit_code == 0, result.output
         exported[fmt] = load_file(out)  # one file
     assert sorted(exported["sharded"]) == sorted(exported["full"])
+    inside = runs["sharded"] / "checkpoints" / "step_00000010" / "x.safetensors"  # never into a checkpoint
+    result = runner.invoke(
+        app, ["export", "--checkpoint", str(runs["sharded"]), "--format", "safetensors", "--out", str(inside)]
+    )
+    assert result.exit_code == 2 and "inside a checkpoint" in result.stderr and not inside.exists()
     for name, t in exported["full"].items():
         assert torch.equal(exported["sharded"][name], t), name
 
@@ -164,30 +169,46 @@ def test_a_damaged_sharded_checkpoint_is_set_aside_and_the_previous_one_used(run
 GLOBAL_BATCH = ("train.micro_batch=2", "train.grad_accum=4", "train.tokens=2560")
 
 
-def test_two_fsdp_ranks_write_sharded_and_one_process_resumes(tmp_path, corpus):
+def close(got, want) -> bool:
+    return len(got) == len(want) and max(abs(a - b) for a, b in zip(got, want, strict=True)) <= 1e-5
+
+
+def test_two_ranks_write_sharded_and_resume_on_another_number(tmp_path, corpus):
+    """FSDP2 on 2 ranks writes shards; one process resumes from them; 2 DDP ranks resume from them and
+    write their own (whole tensors cut in rows); one process resumes from those. Every attempt gives
+    the 1-process run's losses (to 1e-5: the ranks reduce in another order, as tests/train/test_distributed.py)."""
     single = tmp_path / "single"
     train(*tiny_args(single, corpus, *GLOBAL_BATCH, *TBPTT))
     reference = losses(single)
     prepared = tmp_path / "prepared"  # a multi-process train does not prepare data
     assert runner.invoke(app, ["data", "prepare", str(corpus), "--out", str(prepared)]).exit_code == 0
+    run = tmp_path / "run"
+    args = tiny_args(run, prepared, *GLOBAL_BATCH, *TBPTT, SHARDED)
 
-    run = tmp_path / "fsdp"
-    args = tiny_args(run, prepared, *GLOBAL_BATCH, *TBPTT, SHARDED, "train.distributed=fsdp")
-    result = run_cli("train", *args, nproc=2)
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    step = run / "checkpoints" / "step_00000004"
-    assert {"shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"} <= {p.name for p in step.iterdir()}
+    def torchrun(*extra):
+        result = run_cli("train", *args, *extra, nproc=2)
+        assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+        return result
+
+    def shards(step) -> list[str]:
+        return sorted(p.name for p in (run / "checkpoints" / f"step_{step:08d}").glob("shard-*"))
+
+    torchrun("train.distributed=fsdp")
+    assert shards(4) == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
     two_ranks = losses(run)
-    assert max(abs(a - b) for a, b in zip(two_ranks, reference, strict=True)) <= 1e-5
+    assert close(two_ranks, reference)
 
-    # The 2 ranks' checkpoint of step 4 resumes on one process (reading both shards' rows): the same
-    # steps 5-10 as the ranks took (to 1e-5: the ranks reduce in another order).
-    rollback_to(run, 4)
-    result = train(*tiny_args(run, prepared, *GLOBAL_BATCH, *TBPTT, SHARDED), "--resume")
+    rollback_to(run, 4)  # FSDP2's 2 shards, on one process
+    result = train(*args, "--resume")
     assert "resumed from step 4" in result.stderr
-    resumed = losses(run)
-    assert resumed[:4] == two_ranks[:4]
-    assert max(abs(a - b) for a, b in zip(resumed, reference, strict=True)) <= 1e-5
-    assert sorted(p.name for p in (run / "checkpoints" / "step_00000010").iterdir())[-1] == (
-        "shard-00000-of-00001.safetensors"
-    )
+    assert losses(run)[:4] == two_ranks[:4] and close(losses(run), reference)
+    assert shards(10) == ["shard-00000-of-00001.safetensors"]
+
+    rollback_to(run, 4)  # ... and on 2 DDP ranks, which write their own
+    result = torchrun("train.distributed=ddp", "--resume")
+    assert "resumed from step 4" in result.stderr and close(losses(run), reference)
+    assert shards(8) == ["shard-00000-of-00002.safetensors", "shard-00001-of-00002.safetensors"]
+
+    rollback_to(run, 8)  # DDP's 2 shards, on one process
+    result = train(*args, "--resume")
+    assert "resumed from step 8" in result.stderr and close(losses(run), reference)
