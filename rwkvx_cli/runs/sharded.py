@@ -248,10 +248,6 @@ class _LocalSource(DictSource):
         return super().get(name).detach().to("cpu")
 
 
-def _sha256_of(path: Path) -> str:
-    return store._sha256(path)
-
-
 def save_sharded(
     ckpt_root: Path,
     step: int,
@@ -306,7 +302,8 @@ def save_sharded(
         write_safetensors(_LocalSource(mine), tmp / name, order, meta_st)
         declared = [(p.name, p.dtype, p.shape) for p in pieces]
         chunks = [(p.name, p.start, p.stop) for p in pieces if p.local is not None]
-        return name, (tmp / name).stat().st_size, _sha256_of(tmp / name), declared, chunks
+        entry = store.file_entry(tmp / name)
+        return name, entry["bytes"], entry["sha256"], declared, chunks
 
     reports = together(write, fail, clean, share=True)
 
@@ -319,11 +316,11 @@ def save_sharded(
         if extra:
             cpu = {k: v.detach().cpu().contiguous() for k, v in extra.items()}
             write_safetensors(DictSource(cpu), tmp / EXTRA, list(cpu), {"format": "pt"})
-            listing[EXTRA] = {"bytes": (tmp / EXTRA).stat().st_size, "sha256": _sha256_of(tmp / EXTRA)}
+            listing[EXTRA] = store.file_entry(tmp / EXTRA)
         atomic_write_text(tmp / INDEX, json.dumps(index, separators=(",", ":")) + "\n")
-        listing[INDEX] = {"bytes": (tmp / INDEX).stat().st_size, "sha256": _sha256_of(tmp / INDEX)}
+        listing[INDEX] = store.file_entry(tmp / INDEX)
         body = {**meta, "step": step, "format": store.META_FORMAT, "checkpoint_format": FORMAT, "files": listing}
-        body["meta_sha256"] = store._meta_digest(body)
+        body["meta_sha256"] = store.meta_digest(body)
         atomic_write_text(tmp / "meta.json", json.dumps(body, indent=2) + "\n")
         fsync_dir(tmp)
         if final.exists():  # a damaged one left under this name (a good one would have been resumed from)
@@ -399,13 +396,13 @@ def read_meta(ckpt: Path) -> dict:
     ckpt = Path(ckpt)
     meta = store.read_meta(ckpt)
     where = ckpt / "meta.json"
-    if "meta_sha256" not in meta or meta["meta_sha256"] != store._meta_digest(meta):
+    if "meta_sha256" not in meta or meta["meta_sha256"] != store.meta_digest(meta):
         raise CheckpointError(f"{where} does not match its own checksum (corrupted)")
     if not is_sharded(meta):
         raise CheckpointError(
             f"{where}: not a sharded checkpoint (checkpoint_format {show(meta.get('checkpoint_format'))})"
         )
-    if store._is_step_dir(ckpt) and meta["step"] != store.step_of(ckpt):
+    if store.is_step_dir(ckpt) and meta["step"] != store.step_of(ckpt):
         raise CheckpointError(f"{where} says step {meta['step']}, its directory {ckpt.name}")
     files = meta.get("files")
     if not isinstance(files, dict) or INDEX not in files:
@@ -416,25 +413,13 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def _check_file(ckpt: Path, name: str, want: dict) -> None:
-    path = ckpt / name
-    try:
-        size = path.stat().st_size
-    except OSError:
-        raise CheckpointError(f"{path} is missing") from None
-    if size != want["bytes"]:
-        raise CheckpointError(f"{path} has {size} bytes, but meta.json says {want['bytes']} (truncated?)")
-    if _sha256_of(path) != want["sha256"]:
-        raise CheckpointError(f"{path} does not match its SHA-256 in meta.json (corrupted)")
-
-
 def read_index(ckpt: Path, meta: dict) -> Index:
     """index.json, after checking it against its SHA-256 in meta.json and its own rules."""
     ckpt = Path(ckpt)
     path = ckpt / INDEX
     if meta["files"][INDEX]["bytes"] > MAX_INDEX_BYTES:
         raise CheckpointError(f"{path} is larger than {MAX_INDEX_BYTES} bytes")
-    _check_file(ckpt, INDEX, meta["files"][INDEX])
+    store.check_file(ckpt / INDEX, meta["files"][INDEX])
     try:
         raw = path.read_bytes()
     except OSError as e:
@@ -537,7 +522,7 @@ def verify(ckpt: Path, share: tuple[int, int] = (0, 1)) -> tuple[dict, Index]:
     index = read_index(ckpt, meta)
     names = sorted(n for n in meta["files"] if n != INDEX)
     for name in names[share[0] :: share[1]]:
-        _check_file(ckpt, name, meta["files"][name])
+        store.check_file(ckpt / name, meta["files"][name])
     return meta, index
 
 
@@ -822,9 +807,9 @@ def write_full(ckpt: Path, out: Path) -> Path:
         listing = {}
         for name in ("model.safetensors", "optimizer.safetensors", EXTRA):
             if (tmp / name).is_file():
-                listing[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256_of(tmp / name)}
+                listing[name] = store.file_entry(tmp / name)
         body = {**body, "format": store.META_FORMAT, "files": listing}
-        body["meta_sha256"] = store._meta_digest(body)
+        body["meta_sha256"] = store.meta_digest(body)
         atomic_write_text(tmp / "meta.json", json.dumps(body, indent=2) + "\n")
         fsync_dir(tmp)
         os.replace(tmp, out)

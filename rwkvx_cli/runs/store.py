@@ -57,6 +57,23 @@ def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
     return {"state": state, "param_groups": meta["param_groups"]}
 
 
+def file_entry(path: Path) -> dict:
+    """meta.json's record of one written file: its size and SHA-256 (checked by `check_file`)."""
+    return {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def check_file(path: Path, want: dict) -> None:
+    """The file matches its meta.json record `want` (file_entry): a one-line CheckpointError if not."""
+    try:
+        size = path.stat().st_size
+    except OSError:
+        raise CheckpointError(f"{path} is missing") from None
+    if size != want["bytes"]:
+        raise CheckpointError(f"{path} has {size} bytes, but meta.json says {want['bytes']} (truncated?)")
+    if _sha256(path) != want["sha256"]:
+        raise CheckpointError(f"{path} does not match its SHA-256 in meta.json (corrupted)")
+
+
 def _sha256(path: Path) -> str:
     h = hashlib.sha256()
     with open(path, "rb") as f:
@@ -65,7 +82,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def _meta_digest(meta: dict) -> str:
+def meta_digest(meta: dict) -> str:
     """SHA-256 of meta.json's own content (without this field), so a damaged but parseable one is caught."""
     body = {k: v for k, v in meta.items() if k != "meta_sha256"}
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
@@ -121,9 +138,9 @@ def _save(ckpt_root: Path, step: int, weights, optimizer, meta: dict, keep_last:
     for name, tensors in files.items():
         save_file(tensors, tmp / name)
         fsync_path(tmp / name)
-        listing[name] = {"bytes": (tmp / name).stat().st_size, "sha256": _sha256(tmp / name)}
+        listing[name] = file_entry(tmp / name)
     meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
-    meta["meta_sha256"] = _meta_digest(meta)
+    meta["meta_sha256"] = meta_digest(meta)
     atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
     if final.exists():  # a damaged one left under this name (a good one would have been resumed from)
         if any(final.iterdir()):
@@ -141,7 +158,7 @@ def step_of(ckpt: Path) -> int:
     return int(ckpt.name.split("_")[1])
 
 
-def _is_step_dir(p: Path) -> bool:
+def is_step_dir(p: Path) -> bool:
     name = p.name
     return name.startswith("step_") and len(name) >= 13 and name[5:].isdigit()
 
@@ -152,7 +169,7 @@ def step_dirs(ckpt_root: Path) -> list[Path]:
     first. An empty one holds nothing to keep or resume from, and is not listed."""
     if not ckpt_root.is_dir():
         return []
-    found = [p for p in ckpt_root.glob("step_*") if _is_step_dir(p) and p.is_dir() and any(p.iterdir())]
+    found = [p for p in ckpt_root.glob("step_*") if is_step_dir(p) and p.is_dir() and any(p.iterdir())]
     return sorted(found, key=step_of)
 
 
@@ -177,7 +194,7 @@ def list_checkpoints(ckpt_root: Path) -> list[Path]:
     """Complete checkpoints (those with meta.json), oldest first."""
     if not ckpt_root.is_dir():
         return []
-    found = [p for p in ckpt_root.glob("step_*") if _is_step_dir(p) and (p / "meta.json").is_file()]
+    found = [p for p in ckpt_root.glob("step_*") if is_step_dir(p) and (p / "meta.json").is_file()]
     return sorted(found, key=step_of)
 
 
@@ -231,22 +248,14 @@ def verify(ckpt: Path) -> dict:
         from rwkvx_cli.runs import sharded
 
         return sharded.verify(ckpt)[0]
-    if "meta_sha256" in meta and meta["meta_sha256"] != _meta_digest(meta):
+    if "meta_sha256" in meta and meta["meta_sha256"] != meta_digest(meta):
         raise CheckpointError(f"{ckpt / 'meta.json'} does not match its own checksum (corrupted)")
-    if _is_step_dir(ckpt) and meta["step"] != step_of(ckpt):
+    if is_step_dir(ckpt) and meta["step"] != step_of(ckpt):
         raise CheckpointError(f"{ckpt / 'meta.json'} says step {meta['step']}, its directory {ckpt.name}")
     for name, want in meta.get("files", {}).items():
-        path = ckpt / name
         if name not in ("model.safetensors", "optimizer.safetensors", "extra.safetensors"):
             raise CheckpointError(f"{ckpt / 'meta.json'} lists an unexpected file {name!r}")
-        try:
-            size = path.stat().st_size
-        except OSError:
-            raise CheckpointError(f"{path} is missing") from None
-        if size != want["bytes"]:
-            raise CheckpointError(f"{path} has {size} bytes, but meta.json says {want['bytes']} (truncated?)")
-        if _sha256(path) != want["sha256"]:
-            raise CheckpointError(f"{path} does not match its SHA-256 in meta.json (corrupted)")
+        check_file(ckpt / name, want)
     if "files" in meta and "model.safetensors" not in meta["files"]:
         raise CheckpointError(f"{ckpt / 'meta.json'} lists no model.safetensors")
     return meta

@@ -323,7 +323,7 @@ def rehash(ckpt: Path) -> None:
     for name in meta["files"]:
         data = (ckpt / name).read_bytes()
         meta["files"][name] = {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
-    meta["meta_sha256"] = store._meta_digest(meta)
+    meta["meta_sha256"] = store.meta_digest(meta)
     (ckpt / "meta.json").write_text(json.dumps(meta))
 
 
@@ -446,7 +446,7 @@ def test_meta_json_naming_a_file_outside_the_checkpoint_is_refused(written, tmp_
     shutil.copytree(ckpt_of(tmp), ckpt)
     meta = json.loads((ckpt / "meta.json").read_text())
     meta["files"]["../outside"] = meta["files"]["index.json"]
-    meta["meta_sha256"] = store._meta_digest(meta)
+    meta["meta_sha256"] = store.meta_digest(meta)
     (ckpt / "meta.json").write_text(json.dumps(meta))
     with pytest.raises(CheckpointError, match="unexpected file '../outside'"):
         sharded.verify(ckpt)
