@@ -20,6 +20,7 @@ import argparse
 import io
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,7 +29,7 @@ import torch
 from rwkvx_cli.evaluation.long_context import loss_by_position, read, streams_of, token_losses
 from rwkvx_cli.fsio import atomic_write_bytes
 from rwkvx_cli.models import document_starts
-from rwkvx_cli.runs import find_checkpoint, open_checkpoint
+from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
 
 # Buckets of the position in the document, [lo, hi): the first token, the first line (a speaker's
@@ -87,21 +88,22 @@ def whole_read_losses(opened, tokens: np.ndarray, reset: bool) -> np.ndarray:
 
 
 def evaluate_run(run: Path, max_len: int | None) -> dict:
-    """A run's figures under both evaluation settings."""
-    result = {"run": str(run), "trained_reset": find_checkpoint(run).config.data.reset_at_eod}
+    """A run's figures under both evaluation settings (each function below is told which: the
+    checkpoint is opened once)."""
+    opened = open_checkpoint(run)
+    result = {"run": str(run), "trained_reset": opened.config.data.reset_at_eod}
+    tokens = np.asarray(open_data(opened.config, opened.checkpoint.run_dir, None, check_train=False).val.tokens)
+    pos_all = document_positions(tokens, opened.tokenizer.eod_id)
+    ctx = opened.config.train.ctx_len
+    streams, length = streams_of(tokens, max_len)
     for reset in (False, True):
-        opened = open_checkpoint(run, reset_at_eod=reset)
-        tokens = np.asarray(open_data(opened.config, opened.checkpoint.run_dir, None, check_train=False).val.tokens)
         losses, where = window_losses(opened, tokens, reset)
-        pos = document_positions(tokens, opened.tokenizer.eod_id)[where]
+        pos = pos_all[where]
         by_doc = [float(losses[(pos >= lo) & (pos < hi)].mean()) for lo, hi in DOC_BUCKETS]
-        ctx = opened.config.train.ctx_len
         cut = where - pos < (where - 1) // ctx * ctx  # the document began before its window's first token
         whole = whole_read_losses(opened, tokens, reset)[where - 1]
-        streams, length = streams_of(tokens, max_len)
-        stream = loss_by_position(
-            opened.model, streams, opened.runtime, reset_at=opened.tokenizer.eod_id if reset else None
-        )
+        eod = opened.tokenizer.eod_id if reset else None
+        stream = loss_by_position(opened.model, streams, opened.runtime, reset_at=eod)
         result["eval_reset" if reset else "eval_carry"] = {
             "loss": float(losses.mean()),
             "by_document_position": by_doc,
@@ -251,7 +253,10 @@ def main(argv: list[str] | None = None) -> None:
     if args.from_json is not None:
         results = json.loads(args.from_json.read_text())
     else:
-        results = [evaluate_run(run, args.max_len) for run in args.runs]
+        results = []
+        for i, run in enumerate(args.runs):  # a few minutes each on two cores: a plain line per run
+            print(f"[{i + 1}/{len(args.runs)}] evaluating {run} both ways", file=sys.stderr, flush=True)
+            results.append(evaluate_run(run, args.max_len))
     print(table(results))
     print()
     print(alignment_table(results))
