@@ -177,6 +177,11 @@ class TrainConfig:
     # rows in parallel (runs/sharded.py), nothing gathered. Either resumes on any number of ranks,
     # and a run resumes from either whatever this says.
     checkpoint_format: str = "full"
+    # Write each checkpoint in the background: the step loop waits only while the state is copied
+    # (into CPU buffers kept for the run: one more copy of each rank's share), and a writer thread
+    # writes the copy while training goes on. At most one is in flight; the run's end and a stop
+    # request wait for it, and a failed write stops the run (the earlier checkpoints intact).
+    async_checkpoint: bool = False
     # Truncated BPTT: each batch row reads consecutive windows of one stream and the
     # recurrent state (WKV state and token shifts) carries over, detached, between steps.
     tbptt: bool = False

@@ -507,8 +507,8 @@ class TrainView:
         self.total, self.m, self.ema, self.val, self.ckpt = total_steps, None, None, None, None
 
     def update(self, kind, m) -> None:
-        if kind == "checkpoint":
-            self.ckpt = m.step
+        if kind == "checkpoint":  # the step of a checkpoint now on disk
+            self.ckpt = m
             return
         self.m = m
         self.ema = m.loss if self.ema is None else 0.95 * self.ema + 0.05 * m.loss

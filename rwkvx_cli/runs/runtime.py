@@ -160,10 +160,16 @@ def timed(fn: Callable[[], object], device: torch.device, min_time: float = 0.5,
     return times
 
 
+def _operands(n: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two random n x n matrices from a generator of their own: a probe leaves torch's global RNG (which
+    a checkpoint keeps) as it found it, whether or not an earlier probe in the process was cached."""
+    gen = torch.Generator(device=device).manual_seed(0)
+    return tuple(torch.randn(n, n, device=device, generator=gen).to(dtype) for _ in range(2))
+
+
 def matmul_peak_gflops(device: torch.device, dtype: torch.dtype, n: int = 2048, min_time: float = 0.3) -> float:
     """This device's matmul rate: the best of repeated n³ products (at least `min_time` s)."""
-    a = torch.randn(n, n, device=device).to(dtype)
-    b = torch.randn(n, n, device=device).to(dtype)
+    a, b = _operands(n, device, dtype)
     best = min(timed(lambda: a @ b, device, min_time=min_time))
     return 2 * n**3 / best / 1e9
 
@@ -182,8 +188,7 @@ def matmul_peak(device: torch.device, precision: str | None = None) -> float:
     if key not in _PEAKS:
         n = 4096 if device.type == "cuda" else 1024
         try:
-            a = torch.randn(n, n, device=device).to(dtype)
-            b = torch.randn(n, n, device=device).to(dtype)
+            a, b = _operands(n, device, dtype)
             best = min(timed(lambda: a @ b, device, min_time=0.1, max_reps=20))
             _PEAKS[key] = 2 * n**3 / best / 1e9
         except RuntimeError:  # a device the probe cannot run on: no MFU figure

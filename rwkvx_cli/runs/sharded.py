@@ -48,7 +48,7 @@ import os
 import re
 import shutil
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -91,15 +91,16 @@ def _rank_world() -> tuple[int, int]:
     return 0, 1
 
 
-def _all_gather(obj) -> list:
-    """Every rank's `obj` (our own in-memory values: pickled only over the process group, never from a file)."""
+def all_gather(obj, group=None) -> list:
+    """Every rank's `obj` (our own in-memory values: pickled only over the process group, never from a
+    file). `group`: a process group of every rank (None: the default one)."""
     import torch.distributed as dist
 
     rank, world = _rank_world()
     if world == 1:
         return [obj]
     out = [None] * world
-    dist.all_gather_object(out, obj)
+    dist.all_gather_object(out, obj, group=group)
     return out
 
 
@@ -108,7 +109,7 @@ def _all_gather(obj) -> list:
 EXPECTED = (CheckpointError, OSError, SafetensorError, ValueError)
 
 
-def _one_line(e: BaseException) -> str:
+def one_line(e: BaseException) -> str:
     if isinstance(e, OSError):
         return f"{str(e.filename) + ': ' if e.filename else ''}{store.io_reason(e)}"
     text = str(e).strip().splitlines()
@@ -120,20 +121,22 @@ def together(
     fail: Callable[[str], str],
     on_failure: Callable[[], None] | None = None,
     share: bool = False,
+    group=None,
 ):
     """Run `fn` on every rank and agree on the outcome: when every rank succeeded, this rank's result
     (with `share`, every rank's, in rank order: keep those small, they travel); otherwise every rank
     raises CheckpointError(fail(the first failing rank's one-line error)), after rank 0 ran
-    `on_failure` (removing a partial directory). Only the errors travel without `share`."""
+    `on_failure` (removing a partial directory). Only the errors travel without `share`. `group`: the
+    process group they agree over (None: the default one; a checkpoint writer thread has its own)."""
     rank, world = _rank_world()
     result, error, unexpected = None, None, None
     try:
         result = fn()
     except EXPECTED as e:
-        error = _one_line(e)
+        error = one_line(e)
     except Exception as e:  # a bug: re-raised here with its traceback once the others know
-        error, unexpected = f"{type(e).__name__}: {_one_line(e)}", e
-    reports = _all_gather((error, result if share else None))
+        error, unexpected = f"{type(e).__name__}: {one_line(e)}", e
+    reports = all_gather((error, result if share else None), group)
     failed = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
     if not failed:
         return [res for _, res in reports] if share else result
@@ -248,6 +251,40 @@ class _LocalSource(DictSource):
         return super().get(name).detach().to("cpu")
 
 
+@dataclass(frozen=True)
+class Staged:
+    """One rank's share of a sharded checkpoint, ready to be written: the pieces of every tensor (this
+    rank's rows, or none) and the index's "optimizer" part."""
+
+    pieces: list[_Piece]
+    optimizer: dict | None
+    rank: int
+    world: int
+
+
+def stage_sharded(
+    model: torch.nn.Module,
+    optimizer: torch.optim.Optimizer | None,
+    copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
+) -> Staged:
+    """This rank's share of the checkpoint of `model` and `optimizer` (no collective). `copy(name,
+    local)`: a copy to write instead of the live rows (runs/staging.py), so that training can go on
+    changing them while a writer thread writes the copy; None: the live rows themselves (a save that
+    writes before training goes on)."""
+    rank, world = _rank_world()
+    if world > MAX_RANKS:
+        raise CheckpointError(f"sharded checkpoints hold at most {MAX_RANKS} ranks, not {world}")
+    tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
+    opt_part = None
+    if optimizer is not None:
+        opt_tensors, opt_part = _optimizer_parts(model, optimizer)
+        tensors.update(opt_tensors)
+    pieces = [_piece(name, t, rank, world) for name, t in tensors.items()]
+    if copy is not None:
+        pieces = [p if p.local is None else replace(p, local=copy(p.name, p.local)) for p in pieces]
+    return Staged(pieces, opt_part, rank, world)
+
+
 def save_sharded(
     ckpt_root: Path,
     step: int,
@@ -263,35 +300,49 @@ def save_sharded(
     store.save_checkpoint; `extra`: tensors rank 0 writes whole (the TBPTT carry). Returns the
     checkpoint's path on rank 0, None on the others; a failure on any rank is a CheckpointError on
     every rank, with the partial directory removed and the earlier checkpoints intact."""
-    ckpt_root = Path(ckpt_root)
-    rank, world = _rank_world()
-    if world > MAX_RANKS:
-        raise CheckpointError(f"sharded checkpoints hold at most {MAX_RANKS} ranks, not {world}")
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp-step_{step:08d}"
+    staged = together(lambda: stage_sharded(model, optimizer), save_failure(ckpt_root, step))
+    return write_sharded(ckpt_root, step, staged, meta, keep_last, extra)
 
+
+def save_failure(ckpt_root: Path, step: int) -> Callable[[str], str]:
     def fail(why: str) -> str:
         return f"cannot write the checkpoint of step {step} in {ckpt_root}: {why}; the earlier checkpoints are intact"
+
+    return fail
+
+
+def write_sharded(
+    ckpt_root: Path,
+    step: int,
+    staged: Staged,
+    meta: dict,
+    keep_last: int,
+    extra: dict[str, torch.Tensor] | None = None,
+    group=None,
+) -> Path | None:
+    """Write a staged checkpoint (stage_sharded's, on every rank): a collective over `group` (None: the
+    default process group; a writer thread passes its own, so that its agreements never interleave
+    with training's collectives). Returns and fails as save_sharded."""
+    ckpt_root = Path(ckpt_root)
+    rank, world = staged.rank, staged.world
+    pieces = staged.pieces
+    final = ckpt_root / f"step_{step:08d}"
+    tmp = ckpt_root / f".tmp-step_{step:08d}"
+    fail = save_failure(ckpt_root, step)
 
     def clean() -> None:
         shutil.rmtree(tmp, ignore_errors=True)
 
-    # 1. Each rank picks its rows; rank 0 makes the temporary directory.
-    def prepare():
-        tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
-        opt_part = None
-        if optimizer is not None:
-            opt_tensors, opt_part = _optimizer_parts(model, optimizer)
-            tensors.update(opt_tensors)
-        pieces = [_piece(name, t, rank, world) for name, t in tensors.items()]
+    # 1. Rank 0 makes the temporary directory (removing any left by a crash mid-write: a run has at most
+    # one save in flight, so no other is being written).
+    def prepare() -> None:
         if rank == 0:
             ckpt_root.mkdir(parents=True, exist_ok=True)
-            for stale in ckpt_root.glob(".tmp-step_*"):  # left by a crash mid-write
+            for stale in ckpt_root.glob(".tmp-step_*"):
                 shutil.rmtree(stale, ignore_errors=True)
             tmp.mkdir()
-        return pieces, opt_part
 
-    pieces, opt_part = together(prepare, fail, clean)
+    together(prepare, fail, clean, group=group)
 
     # 2. Every rank writes, fsyncs and hashes its own file (the directory exists: rank 0 made it before agreeing).
     def write():
@@ -305,13 +356,13 @@ def save_sharded(
         entry = store.file_entry(tmp / name)
         return name, entry["bytes"], entry["sha256"], declared, chunks
 
-    reports = together(write, fail, clean, share=True)
+    reports = together(write, fail, clean, share=True, group=group)
 
     # 3. Rank 0 checks that the rows tile every tensor, writes index.json and meta.json (last), renames.
     def commit():
         if rank != 0:
             return None
-        index = _build_index(world, reports, opt_part)
+        index = _build_index(world, reports, staged.optimizer)
         listing = {name: {"bytes": size, "sha256": sha} for name, size, sha, _, _ in reports}
         if extra:
             cpu = {k: v.detach().cpu().contiguous() for k, v in extra.items()}
@@ -334,7 +385,7 @@ def save_sharded(
             shutil.rmtree(old, ignore_errors=True)
         return final
 
-    return together(commit, fail, clean)
+    return together(commit, fail, clean, group=group)
 
 
 def _build_index(world: int, reports: list, opt_part: dict | None) -> dict:
@@ -677,7 +728,7 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
                 optimizer.load_state_dict(osd)
                 restore_implementation(optimizer, flags)
         except (RuntimeError, KeyError, TypeError, OverflowError) as e:  # as checkpointer.load_latest's
-            raise CheckpointError(_one_line(e)) from None
+            raise CheckpointError(one_line(e)) from None
 
     together(apply, lambda why: f"{ckpt} cannot be loaded: {why}")
     return meta

@@ -7,10 +7,21 @@ step). The files themselves (safetensors, meta.json with checksums, atomic renam
 keep-last) are the store's (runs/store.py): `train.checkpoint_format: full` gathers the
 weights and optimizer state and rank 0 writes them; `sharded` has every rank write its own
 rows (runs/sharded.py). A run resumes from either format, whatever the setting says.
+
+With `train.async_checkpoint` a save is staged, then written in the background: the loop waits
+while the state (and the TBPTT carry, meta.json's RNG and counters) is copied into CPU buffers
+(runs/staging.py), then goes on while a writer thread writes the copy, in either format. The
+thread's agreements between ranks (sharded) go over a gloo process group of its own, never
+interleaved with training's collectives. At most one save is in flight: the next one, the end
+of the run and a stop request wait for it. Whether it is done is agreed between ranks once per
+step (with the stop request: the same all-reduce); a failed write then stops every rank with one
+CheckpointError, the earlier checkpoints intact. A kill at any moment leaves at most a
+`.tmp-step_*` directory behind, which resuming never reads and the next save removes.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -20,6 +31,7 @@ import torch
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.models.optimizer import IMPLEMENTATION
 from rwkvx_cli.runs import sharded, store
+from rwkvx_cli.runs.staging import Staging
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
@@ -39,6 +51,22 @@ class Restored:
     skipped_steps: int
     nonfinite_in_row: int
     carry: Carry | None  # None: every micro-batch starts from a zero state
+
+
+class _Writer:
+    """One checkpoint written by a thread: `error` is what its write raised (None: written)."""
+
+    def __init__(self, step: int, write: Callable[[], Path | None]):
+        self.step, self.error = step, None
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # taken by CheckpointManager.wait, on the loop's thread
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=f"rwkvx-checkpoint-{step}", daemon=True)
+        self.thread.start()
 
 
 class CheckpointManager:
@@ -67,23 +95,29 @@ class CheckpointManager:
         self.guard = guard
         self.interval, self.keep_last = cfg.train.ckpt_interval, cfg.train.keep_last
         self.global_rows = cfg.train.micro_batch * cfg.train.grad_accum
+        self.background = cfg.train.async_checkpoint
+        self.staging = Staging()
+        self.writer: _Writer | None = None  # the save in flight (or finished, its outcome not yet taken)
+        self.committed: list[int] = []  # steps of checkpoints written since the loop last took them
+        self._group = None  # the writer thread's process group (created with the first background save)
 
     # -- saving ------------------------------------------------------------------------------------
     def maybe_save(self, step: int, last_step: int, carry: Carry, force: bool = False, **counters) -> bool:
         """Save if `step` is due (every train.ckpt_interval, and the run's `last_step`) or `force`d;
-        True when it saved. `counters`: save's keyword arguments."""
+        True when it saved (with train.async_checkpoint: when it started writing). `counters`: save's
+        keyword arguments. A checkpoint written lands in `committed`."""
         if not (force or step % self.interval == 0 or step == last_step):
             return False
-        self.save(step, carry, **counters)
+        if self.background:
+            self.save_async(step, carry, **counters)
+        else:
+            self.save(step, carry, **counters)
         return True
 
-    def save(
-        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
-    ) -> Path | None:
-        """Write the checkpoint of `step`, in train.checkpoint_format; its path on rank 0, None on the others."""
-        if self.before_save is not None:
-            self.before_save()
-        meta = {  # rank 0's is written (the RNG every rank restores is rank 0's, in both formats)
+    def _meta(self, tokens: int, skipped_steps: int, nonfinite_in_row: int) -> dict:
+        """meta.json's fields besides the files (rank 0's is written: the RNG every rank restores is
+        rank 0's, in both formats)."""
+        return {
             "config": config_to_dict(self.cfg),
             "torch_rng": torch.get_rng_state().tolist(),
             "world_size": self.dist.world_size,
@@ -91,31 +125,133 @@ class CheckpointManager:
             "skipped_steps": skipped_steps,
             "nonfinite_in_row": nonfinite_in_row,
         }
-        if self.cfg.train.checkpoint_format == "sharded":
-            return self._save_sharded(step, carry, meta)
-        weights, optim_state = distributed.full_state(self.model, self.optimizer)
-        carry_tensors = self._carry_tensors(carry)
-        if not self.dist.is_main:
-            return None
-        if self.guard is not None:
-            self.guard()  # the run directory is still the one this process holds
-        return store.save_checkpoint(self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors)
 
-    def _save_sharded(self, step: int, carry: Carry, meta: dict) -> Path | None:
-        """Every rank writes its own rows of the weights and optimizer state (runs/sharded.py), nothing
-        gathered but the TBPTT carry, which rank 0 writes whole as in a full checkpoint. The ranks agree
-        on the guard's answer first, so that a run directory no longer ours stops every rank rather than
-        leaving the others waiting in the save."""
-        carry_tensors = self._carry_tensors(carry)
+    def save(
+        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
+    ) -> Path | None:
+        """Write the checkpoint of `step`, in train.checkpoint_format, before returning (after any save
+        still in flight); its path on rank 0, None on the others."""
+        self.wait()
+        if self.before_save is not None:
+            self.before_save()
+        meta = self._meta(tokens, skipped_steps, nonfinite_in_row)
+        if self.cfg.train.checkpoint_format == "sharded":
+            path = self._save_sharded(step, carry, meta)
+        else:
+            weights, optim_state = distributed.full_state(self.model, self.optimizer)
+            carry_tensors = self._carry_tensors(carry)
+            if not self.dist.is_main:
+                path = None
+            else:
+                if self.guard is not None:
+                    self.guard()  # the run directory is still the one this process holds
+                path = store.save_checkpoint(
+                    self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors
+                )
+        self.committed.append(step)
+        return path
+
+    def _check_guard(self, step: int) -> None:
+        """The guard on rank 0, its outcome agreed by every rank: a run directory no longer ours stops
+        every rank rather than leaving the others waiting in the save."""
 
         def check() -> None:
             if self.dist.is_main and self.guard is not None:
                 self.guard()  # the run directory is still the one this process holds
 
         sharded.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
+
+    def _save_sharded(self, step: int, carry: Carry, meta: dict) -> Path | None:
+        """Every rank writes its own rows of the weights and optimizer state (runs/sharded.py), nothing
+        gathered but the TBPTT carry, which rank 0 writes whole as in a full checkpoint."""
+        carry_tensors = self._carry_tensors(carry)
+        self._check_guard(step)
         return sharded.save_sharded(
             self.root, step, self.model, self.optimizer, meta, self.keep_last, carry_tensors or None
         )
+
+    def save_async(
+        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
+    ) -> None:
+        """Stage the checkpoint of `step` and start writing it in the background (after the save still
+        in flight, if any, is written: its failure is raised here). Returns once the state is copied."""
+        self.wait()
+        if self.before_save is not None:
+            self.before_save()
+        meta = self._meta(tokens, skipped_steps, nonfinite_in_row)
+        root, keep_last, staging = self.root, self.keep_last, self.staging
+        staging.begin()
+        carry_tensors = {k: staging.copy(("carry", k), v) for k, v in self._carry_tensors(carry).items()}
+        if self.cfg.train.checkpoint_format == "sharded":
+            self._check_guard(step)
+            fail = sharded.save_failure(root, step)
+            staged = sharded.together(
+                lambda: sharded.stage_sharded(self.model, self.optimizer, lambda n, t: staging.copy(n, t)), fail
+            )
+            staging.finish()
+            group = self._writer_group()
+
+            def write() -> Path | None:
+                return sharded.write_sharded(root, step, staged, meta, keep_last, carry_tensors or None, group)
+
+        else:
+            weights, optim_state = distributed.full_state(self.model, self.optimizer)
+            if not distributed.sharded(self.model):  # the live tensors: copied (FSDP's full state is a fresh copy)
+                weights = staging.tree(weights, ("model",))
+                optim_state = staging.tree(optim_state, ("optim",))
+            staging.finish()
+            if self.dist.is_main and self.guard is not None:
+                self.guard()  # the run directory is still the one this process holds
+
+            def write() -> Path | None:
+                if not self.dist.is_main:
+                    return None
+                return store.save_checkpoint(root, step, weights, optim_state, meta, keep_last, carry_tensors)
+
+        self.writer = _Writer(step, write)
+
+    def _writer_group(self):
+        """A gloo process group of every rank, for the writer thread's agreements (None: one process)."""
+        if self.dist.world_size == 1 or not distributed.active():
+            return None
+        if self._group is None:
+            import torch.distributed as dist
+
+            self._group = dist.new_group(backend="gloo")  # a collective: every rank creates it here
+        return self._group
+
+    @property
+    def writing(self) -> bool:
+        """A save is being written in the background on this rank."""
+        return self.writer is not None and self.writer.thread.is_alive()
+
+    def wait(self) -> None:
+        """Wait for the save in flight (a collective when there is one: every rank calls it at the same
+        step) and take its outcome: its step lands in `committed`, or a CheckpointError on every rank."""
+        writer, self.writer = self.writer, None
+        if writer is None:
+            return
+        writer.thread.join()
+        error = writer.error
+        lines = sharded.all_gather(None if error is None else sharded.one_line(error))
+        if error is not None and not isinstance(error, sharded.EXPECTED):
+            raise error  # a bug, with its traceback, on the rank that hit it
+        first = next((line for line in lines if line is not None), None)
+        if first is not None:  # "cannot write the checkpoint of step N in ...: why; the earlier checkpoints are intact"
+            raise CheckpointError(first)
+        self.committed.append(writer.step)
+
+    def take_committed(self) -> list[int]:
+        """The steps of the checkpoints written since the last call."""
+        out, self.committed = self.committed, []
+        return out
+
+    def close(self) -> None:
+        """After an error elsewhere: let a save in flight finish (its checkpoint is good), without
+        raising what it may raise; nothing is agreed with the other ranks."""
+        writer, self.writer = self.writer, None
+        if writer is not None:
+            writer.thread.join()
 
     def _carry_tensors(self, carry: Carry) -> dict[str, torch.Tensor]:
         """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run
@@ -262,7 +398,7 @@ OPERATIONAL = frozenset(
         for k in (
             "eval_interval", "eval_tokens", "ckpt_interval", "keep_last", "log_interval", "loggers", "wandb_project",
             "wandb_name", "profile_steps", "nonfinite", "nonfinite_limit", "device", "distributed", "compile",
-            "grad_cp", "init_from", "checkpoint_format",
+            "grad_cp", "init_from", "checkpoint_format", "async_checkpoint",
         )
     }
 )

@@ -132,13 +132,14 @@ def sum_all(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
-def any_rank(flag: bool, device: torch.device) -> bool:
-    """True on every rank when it is true on one (stop requests must agree)."""
-    if not active():
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=device)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item())
+def any_rank(*flags: bool, device: torch.device) -> bool | tuple[bool, ...]:
+    """Each flag true on every rank when it is true on one (stop requests must agree), in one
+    all-reduce; one flag gives a bool, several a tuple."""
+    if active():
+        t = torch.tensor([1.0 if f else 0.0 for f in flags], device=device)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX)
+        flags = tuple(bool(x) for x in t.tolist())
+    return flags[0] if len(flags) == 1 else tuple(flags)
 
 
 def broadcast(obj, src: int = 0):

@@ -246,12 +246,28 @@ class Trainer:
         self.carry = [None] * len(self.micro)  # a carried state from this step may hold NaNs
 
     def run(
-        self, on_event: Callable[[str, StepMetrics], None] | None = None, should_stop=lambda: False
+        self, on_event: Callable[[str, object], None] | None = None, should_stop=lambda: False
     ) -> StepMetrics | None:
         """Train to the end (or until `should_stop()` is true on any rank: then checkpoint and return).
-        Events: "step", "skipped" (a non-finite step that was not applied), "checkpoint", and
-        "profile" (the path of the trace train.profile_steps asked for, once written).
-        Returns the last step's metrics; None when the run was already complete."""
+        Events: "step" and "skipped" (a non-finite step that was not applied), with the StepMetrics;
+        "checkpoint", with the step of a checkpoint now on disk (with train.async_checkpoint, once its
+        writer is done); "profile", with the path of the trace train.profile_steps asked for, once
+        written. Returns the last step's metrics; None when the run was already complete. Returns only
+        once every checkpoint is written (after an error too; then without raising the writer's)."""
+        try:
+            last = self._run(on_event or (lambda kind, payload: None), should_stop)
+            self.checkpoints.wait()  # the last checkpoint, or a stop request's, may still be in flight
+            self._report_checkpoints(on_event)
+            return last
+        finally:
+            self.checkpoints.close()
+
+    def _report_checkpoints(self, on_event) -> None:
+        for step in self.checkpoints.take_committed():
+            if on_event:
+                on_event("checkpoint", step)
+
+    def _run(self, on_event: Callable[[str, object], None], should_stop) -> StepMetrics | None:
         cfg, t = self.cfg, self.cfg.train
         total_steps = self.last_step
         if self.step >= total_steps:
@@ -287,19 +303,19 @@ class Trainer:
                     ev = self.validate()
                     last.val_loss, last.val_bpb = ev["loss"], ev["bpb"]
                 self.sinks.log(last)
-                if on_event:
-                    on_event("step" if applied else "skipped", last)
-                    if (trace := profiler.take_written()) is not None:
-                        on_event("profile", trace)
-                stopping = distributed.any_rank(should_stop(), self.device)
-                saved = self.checkpoints.maybe_save(
-                    self.step, total_steps, self.carry, force=stopping, **self._counters()
-                )
-                if saved and on_event:
-                    on_event("checkpoint", last)
+                on_event("step" if applied else "skipped", last)
+                if (trace := profiler.take_written()) is not None:
+                    on_event("profile", trace)
+                # One all-reduce agrees on a stop request and on whether a background save is still being
+                # written anywhere; once it is done everywhere, its outcome is taken (a failure stops the run).
+                stopping, writing = distributed.any_rank(should_stop(), self.checkpoints.writing, device=self.device)
+                if not writing:
+                    self.checkpoints.wait()
+                self.checkpoints.maybe_save(self.step, total_steps, self.carry, force=stopping, **self._counters())
+                self._report_checkpoints(on_event)
                 if stopping:
                     break
-        if on_event and (trace := profiler.take_written()) is not None:  # the loop ended inside the range
+        if (trace := profiler.take_written()) is not None:  # the loop ended inside the range
             on_event("profile", trace)
         return last
 

@@ -10,7 +10,8 @@ finished run plots the losses, validates, and samples a little text. It reports 
     "changed"   dict           --resume --allow-change: {setting: (the checkpoint's value, this run's)}
     "initial"   dict           train.init_from was loaded (start_report: its sizes, an upcycle's plan)
     "start"     TrainStart     the model is built and the loop is about to begin
-    "step", "skipped", "checkpoint"   StepMetrics   from the loop (train/loop.py)
+    "step", "skipped"   StepMetrics   from the loop (train/loop.py)
+    "checkpoint"  int            the step of a checkpoint now on disk
     "profile"   Path           the loop wrote the trace of train.profile_steps
 """
 

@@ -64,12 +64,22 @@ def _kill_at_random(args, run, rng) -> str:
     return f"{trigger}: {_line_count(metrics)} metric lines{' + a torn one' if torn else ''}, on disk {ckpts}"
 
 
+# How the killed run writes its checkpoints; every way computes the reference's losses bit for bit.
+SAVES = {
+    "full": (),
+    "sharded-async": ("train.checkpoint_format=sharded", "train.async_checkpoint=true"),
+    "full-async": ("train.async_checkpoint=true",),
+}
+
+
+@pytest.mark.parametrize("saves", list(SAVES))
 @pytest.mark.parametrize("seed", [0, 1, 2])
-def test_kill_9_at_random_points_then_resume_gives_the_exact_losses(tmp_path, corpus, reference, seed):
+def test_kill_9_at_random_points_then_resume_gives_the_exact_losses(tmp_path, corpus, reference, seed, saves):
+    """A checkpoint is written after every step: with async ones, while the next step runs."""
     _, want = reference
     rng = random.Random(seed)
     run = tmp_path / "run"
-    args = tiny_args(run, corpus, *KILL_RUN)
+    args = tiny_args(run, corpus, *KILL_RUN, *SAVES[saves])
     kills = [_kill_at_random(args, run, rng)]
     kills += [_kill_at_random([*args, "--resume"], run, rng) for _ in range(seed % 2)]
     print(f"seed {seed}:", *kills, sep="\n  ")
@@ -188,7 +198,7 @@ def test_a_transient_non_finite_step_is_skipped_and_counted(tmp_path, corpus):
     assert not applied and loss != loss and trainer.skipped_steps == 1 and trainer.step == 3
     assert all(torch.equal(before[k], v) for k, v in trainer.model.state_dict().items())  # not updated
     assert trainer.carry == [None]  # the TBPTT carry from the bad step is dropped
-    trainer.run(lambda kind, m: events.append((kind, m.step)))
+    trainer.run(lambda kind, m: events.append((kind, m if kind == "checkpoint" else m.step)))
     assert ("checkpoint", 10) in events and trainer.skipped_steps == 1
     assert all(torch.isfinite(p).all() for p in trainer.model.parameters())
     meta = json.loads((tmp_path / "run" / "checkpoints" / "step_00000010" / "meta.json").read_text())

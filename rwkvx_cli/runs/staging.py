@@ -1,0 +1,66 @@
+"""Staged copies of a training state, for a checkpoint written in the background.
+
+An asynchronous save (train.async_checkpoint) copies what it writes first, so that the step loop
+can go on changing the weights and optimizer state while a writer thread writes the copy: the
+copy is the only part of a save the loop waits for. The copies go to CPU buffers that are kept
+from one checkpoint to the next (a run has at most one save in flight, so a buffer is free again
+when the next save stages): after the first save no memory is allocated, and none is faulted in.
+On CUDA the buffers are pinned and the copies asynchronous, waited for once, at the end of the
+staging (torchtitan stages the same way). The price is memory: one more copy of each rank's share
+of the state, for the whole run.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+class Staging:
+    """Copies into reused CPU buffers: `begin()`, `copy(key, tensor)` (or `tree(obj)`) for each
+    tensor to keep, then `finish()`, after which the copies are complete and the buffers that this
+    staging did not use are released."""
+
+    def __init__(self):
+        self._buffers: dict[object, torch.Tensor] = {}
+        self._used: set = set()
+        self._cuda = False
+
+    def begin(self) -> None:
+        self._used, self._cuda = set(), False
+
+    def copy(self, key, t: torch.Tensor) -> torch.Tensor:
+        """A CPU copy of `t` in the buffer kept under `key` (hashable, unique within a staging)."""
+        if key in self._used:
+            raise ValueError(f"staging {key!r} twice")
+        t = t.detach()
+        if hasattr(t, "to_local"):  # a DTensor: this rank's rows
+            t = t.to_local()
+        buf = self._buffers.get(key)
+        if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
+            buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)
+            self._buffers[key] = buf
+        buf.copy_(t, non_blocking=t.is_cuda)
+        self._cuda |= t.is_cuda
+        self._used.add(key)
+        return buf
+
+    def tree(self, obj, key: tuple = ()):
+        """`obj` (dicts, lists and tuples of tensors and plain values) with every tensor copied."""
+        if isinstance(obj, torch.Tensor):
+            return self.copy(key, obj)
+        if isinstance(obj, dict):
+            return {k: self.tree(v, (*key, k)) for k, v in obj.items()}
+        if isinstance(obj, (list, tuple)):
+            return type(obj)(self.tree(v, (*key, i)) for i, v in enumerate(obj))
+        return obj
+
+    def finish(self) -> None:
+        if self._cuda:
+            torch.cuda.synchronize()
+        for key in set(self._buffers) - self._used:
+            del self._buffers[key]
+
+    @property
+    def bytes(self) -> int:
+        """The memory the buffers hold."""
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
