@@ -10,7 +10,7 @@ rows (runs/sharded.py). A run resumes from either format, whatever the setting s
 
 With `train.async_checkpoint` a save is staged, then written in the background: the loop waits
 while the state (and the TBPTT carry, meta.json's RNG and counters) is copied into CPU buffers
-(runs/staging.py), then goes on while a writer thread writes the copy, in either format. The
+(runs/background.py), then goes on while a writer thread writes the copy, in either format. The
 thread's agreements between ranks (sharded) go over a gloo process group of its own, never
 interleaved with training's collectives. At most one save is in flight: the next one, the end
 of the run and a stop request wait for it. Whether it is done is agreed between ranks once per
@@ -21,7 +21,6 @@ CheckpointError, the earlier checkpoints intact. A kill at any moment leaves at 
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,7 +30,7 @@ import torch
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
 from rwkvx_cli.models.optimizer import IMPLEMENTATION
 from rwkvx_cli.runs import sharded, store
-from rwkvx_cli.runs.staging import Staging
+from rwkvx_cli.runs.background import Staging, Writer, writer_group
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import check_finite, mismatch
 from rwkvx_cli.train import distributed
@@ -51,22 +50,6 @@ class Restored:
     skipped_steps: int
     nonfinite_in_row: int
     carry: Carry | None  # None: every micro-batch starts from a zero state
-
-
-class _Writer:
-    """One checkpoint written by a thread: `error` is what its write raised (None: written)."""
-
-    def __init__(self, step: int, write: Callable[[], Path | None]):
-        self.step, self.error = step, None
-
-        def run() -> None:
-            try:
-                write()
-            except BaseException as e:  # taken by CheckpointManager.wait, on the loop's thread
-                self.error = e
-
-        self.thread = threading.Thread(target=run, name=f"rwkvx-checkpoint-{step}", daemon=True)
-        self.thread.start()
 
 
 class CheckpointManager:
@@ -97,7 +80,7 @@ class CheckpointManager:
         self.global_rows = cfg.train.micro_batch * cfg.train.grad_accum
         self.background = cfg.train.async_checkpoint
         self.staging = Staging()
-        self.writer: _Writer | None = None  # the save in flight (or finished, its outcome not yet taken)
+        self.writer: Writer | None = None  # the save in flight (or finished, its outcome not yet taken)
         self.committed: list[int] = []  # steps of checkpoints written since the loop last took them
         self._group = None  # the writer thread's process group (created with the first background save)
 
@@ -140,11 +123,9 @@ class CheckpointManager:
         else:
             weights, optim_state = distributed.full_state(self.model, self.optimizer)
             carry_tensors = self._carry_tensors(carry)
-            if not self.dist.is_main:
-                path = None
-            else:
-                if self.guard is not None:
-                    self.guard()  # the run directory is still the one this process holds
+            self._check_guard(step)
+            path = None
+            if self.dist.is_main:
                 path = store.save_checkpoint(
                     self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors
                 )
@@ -186,7 +167,7 @@ class CheckpointManager:
             self._check_guard(step)
             fail = sharded.save_failure(root, step)
             staged = sharded.together(
-                lambda: sharded.stage_sharded(self.model, self.optimizer, lambda n, t: staging.copy(n, t)), fail
+                lambda: sharded.stage_sharded(self.model, self.optimizer, staging.copy), fail
             )
             staging.finish()
             group = self._writer_group()
@@ -200,46 +181,33 @@ class CheckpointManager:
                 weights = staging.tree(weights, ("model",))
                 optim_state = staging.tree(optim_state, ("optim",))
             staging.finish()
-            if self.dist.is_main and self.guard is not None:
-                self.guard()  # the run directory is still the one this process holds
+            self._check_guard(step)
 
             def write() -> Path | None:
                 if not self.dist.is_main:
                     return None
                 return store.save_checkpoint(root, step, weights, optim_state, meta, keep_last, carry_tensors)
 
-        self.writer = _Writer(step, write)
+        self.writer = Writer(step, write)
 
     def _writer_group(self):
-        """A gloo process group of every rank, for the writer thread's agreements (None: one process)."""
-        if self.dist.world_size == 1 or not distributed.active():
-            return None
-        if self._group is None:
-            import torch.distributed as dist
-
-            self._group = dist.new_group(backend="gloo")  # a collective: every rank creates it here
+        """The writer thread's process group (made with the first background save: every rank is here)."""
+        if self._group is None and self.dist.world_size > 1:
+            self._group = writer_group()
         return self._group
 
     @property
     def writing(self) -> bool:
         """A save is being written in the background on this rank."""
-        return self.writer is not None and self.writer.thread.is_alive()
+        return self.writer is not None and self.writer.writing
 
     def wait(self) -> None:
         """Wait for the save in flight (a collective when there is one: every rank calls it at the same
         step) and take its outcome: its step lands in `committed`, or a CheckpointError on every rank."""
         writer, self.writer = self.writer, None
-        if writer is None:
-            return
-        writer.thread.join()
-        error = writer.error
-        lines = sharded.all_gather(None if error is None else sharded.one_line(error))
-        if error is not None and not isinstance(error, sharded.EXPECTED):
-            raise error  # a bug, with its traceback, on the rank that hit it
-        first = next((line for line in lines if line is not None), None)
-        if first is not None:  # "cannot write the checkpoint of step N in ...: why; the earlier checkpoints are intact"
-            raise CheckpointError(first)
-        self.committed.append(writer.step)
+        if writer is not None:
+            writer.wait()
+            self.committed.append(writer.step)
 
     def take_committed(self) -> list[int]:
         """The steps of the checkpoints written since the last call."""
@@ -251,7 +219,7 @@ class CheckpointManager:
         raising what it may raise; nothing is agreed with the other ranks."""
         writer, self.writer = self.writer, None
         if writer is not None:
-            writer.thread.join()
+            writer.close()
 
     def _carry_tensors(self, carry: Carry) -> dict[str, torch.Tensor]:
         """The TBPTT carry as global-batch tensors `carry.<block>.<field>`, so that a run

@@ -22,7 +22,7 @@ from rwkvx_cli.config import Config, ModelConfig, TrainConfig
 from rwkvx_cli.data import ByteTokenizer
 from rwkvx_cli.models import build_model
 from rwkvx_cli.runs import sharded, store
-from rwkvx_cli.runs.staging import Staging
+from rwkvx_cli.runs.background import Staging
 from rwkvx_cli.train.loop import Trainer
 from tests.train.helpers import losses, tiny_args
 

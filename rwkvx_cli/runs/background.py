@@ -1,4 +1,4 @@
-"""Staged copies of a training state, for a checkpoint written in the background.
+"""Checkpoints written in the background: staged copies of the state, and the thread that writes them.
 
 An asynchronous save (train.async_checkpoint) copies what it writes first, so that the step loop
 can go on changing the weights and optimizer state while a writer thread writes the copy: the
@@ -8,11 +8,22 @@ when the next save stages): after the first save no memory is allocated, and non
 On CUDA the buffers are pinned and the copies asynchronous, waited for once, at the end of the
 staging (torchtitan stages the same way). The price is memory: one more copy of each rank's share
 of the state, for the whole run.
+
+`Writer` runs one write on a thread and hands its outcome to the loop's thread, agreed between
+ranks; `writer_group()` is the process group a sharded write agrees over (runs/sharded.py's
+`write_sharded(..., group=)`), so that the thread's collectives never interleave with training's.
 """
 
 from __future__ import annotations
 
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
 import torch
+
+from rwkvx_cli.runs import sharded
+from rwkvx_cli.runs.store import CheckpointError
 
 
 class Staging:
@@ -64,3 +75,52 @@ class Staging:
     def bytes(self) -> int:
         """The memory the buffers hold."""
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
+
+
+class Writer:
+    """One checkpoint written by a thread (started at once). Every rank makes one for the same step, and
+    later calls `wait()` at the same step: it joins the thread and agrees on the outcome (a collective
+    over the default process group), raising one CheckpointError on every rank when a rank's write
+    failed ("cannot write the checkpoint of step N in ...: why; the earlier checkpoints are intact")."""
+
+    def __init__(self, step: int, write: Callable[[], Path | None]):
+        self.step, self.error = step, None
+
+        def run() -> None:
+            try:
+                write()
+            except BaseException as e:  # taken by wait(), on the loop's thread
+                self.error = e
+
+        self.thread = threading.Thread(target=run, name=f"rwkvx-checkpoint-{step}", daemon=True)
+        self.thread.start()
+
+    @property
+    def writing(self) -> bool:
+        """Still being written on this rank."""
+        return self.thread.is_alive()
+
+    def wait(self) -> None:
+        self.thread.join()
+        error = self.error
+        lines = sharded.all_gather(None if error is None else sharded.one_line(error))
+        if error is not None and not isinstance(error, sharded.EXPECTED):
+            raise error  # a bug, with its traceback, on the rank that hit it
+        first = next((line for line in lines if line is not None), None)
+        if first is not None:
+            raise CheckpointError(first)
+
+    def close(self) -> None:
+        """After an error elsewhere: let the write finish (its checkpoint is good), without raising what
+        it may raise, and without a collective (the other ranks may be gone)."""
+        self.thread.join()
+
+
+def writer_group():
+    """A new gloo process group of every rank, for a writer thread's agreements (a collective: every rank
+    creates it, at the same point); None in one plain process."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+        return None
+    return dist.new_group(backend="gloo")
