@@ -10,6 +10,12 @@ materialised: each rank allocates just its own shard, filled with random values,
   `get_optimizer_state_dict` with full_state_dict and cpu_offload, the calls of
   train/distributed.py's `full_state`), which writes it with `store.save_checkpoint`;
 - sharded save: `runs/sharded.save_sharded`, every rank its own rows;
+- async save (train.async_checkpoint, sharded): what the trainer's `save_async` does, through the
+  same functions: the state staged into CPU buffers (`runs/background.Staging`,
+  `sharded.stage_sharded`), then `sharded.write_sharded` on a `runs/background.Writer` thread over
+  its own gloo group. The stall is the staging; while the thread writes, the rank runs a stand-in
+  for training (1024² fp32 matmuls), whose rate is compared with its rate before the save. The
+  first staging allocates the buffers, later ones reuse them: `--saves 2` times both;
 - full load: what a resume does today on every rank (`store.verify`, reading model.safetensors,
   `load_optimizer_state` and their finiteness checks, then `set_model_state_dict` /
   `set_optimizer_state_dict` of full tensors, as `distributed.load_full_state`);
@@ -17,8 +23,10 @@ materialised: each rank allocates just its own shard, filled with random values,
 
 Each format runs in fresh processes (so that memory freed by one does not hide the other's peak).
 Per rank: the resident set before the operation, the extra peak during it (VmHWM after resetting
-it through /proc/self/clear_refs, minus the resident set before), the wall time and the bytes it
-wrote. Linux only (/proc). Everything written under WORKDIR is deleted at the end.
+it through /proc/self/clear_refs, minus the resident set before), the wall time (the stall: until
+the rank may train on) and the bytes it wrote. Before each format the page cache is flushed (and
+dropped, as root). `--formats` picks some (a 1.5B model's full save
+does not fit in 24 GiB). Linux only (/proc). Everything written under WORKDIR is deleted at the end.
 """
 
 from __future__ import annotations
@@ -37,6 +45,7 @@ from pathlib import Path
 import torch
 
 MB = 1 << 20
+FORMATS = ("full", "sharded", "async")
 
 
 def _status(field: str) -> int:
@@ -160,10 +169,47 @@ def _files(path: Path) -> dict[str, int]:
     return {p.name: p.stat().st_size for p in sorted(path.iterdir())} if path.is_dir() else {}
 
 
+def _matmul_rate(seconds: float, until=None) -> float:
+    """GFLOP/s of back-to-back 1024² fp32 matmuls (a stand-in for training) for `seconds`, or while
+    `until()` is false."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(1024, 1024, generator=gen), torch.randn(1024, 1024, generator=gen)
+    t0, n = time.perf_counter(), 0
+    while (until is None and time.perf_counter() - t0 < seconds) or (until is not None and not until()):
+        a @ b
+        n += 1
+    return n * 2 * 1024**3 / max(time.perf_counter() - t0, 1e-9) / 1e9
+
+
+def _save_async(root: Path, step: int, model, optimizer, meta, staging, group) -> dict:
+    """The trainer's save_async for the sharded format (train/checkpointer.py), timed."""
+    from rwkvx_cli.runs import sharded
+    from rwkvx_cli.runs.background import Writer
+
+    before = _matmul_rate(2.0)
+    with _Measure() as stall:
+        staging.begin()
+        fail = sharded.save_failure(root, step)
+        staged = sharded.together(lambda: sharded.stage_sharded(model, optimizer, staging.copy), fail)
+        staging.finish()
+        writer = Writer(step, lambda: sharded.write_sharded(root, step, staged, meta, 1, None, group))
+    with _Measure() as written:
+        during = _matmul_rate(0.0, until=lambda: not writer.writing)
+        writer.wait()
+    return {
+        **stall.row(),
+        "write_seconds": stall.seconds + written.seconds,
+        "write_extra_peak_mb": written.extra / MB,
+        "staged_mb": staging.bytes / MB,
+        "compute_rate_while_writing": during / before,
+    }
+
+
 def _worker(rank: int, world: int, port: int, fmt: str, args, out: str) -> None:
     import torch.distributed as dist
 
     from rwkvx_cli.runs import sharded, store
+    from rwkvx_cli.runs.background import Staging, writer_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -172,38 +218,47 @@ def _worker(rank: int, world: int, port: int, fmt: str, args, out: str) -> None:
     root = Path(args.workdir) / fmt
     meta = {"config": {}}
     dist.barrier()
-    with _Measure() as save:
-        if fmt == "full":
-            weights, optim = _full_state(model, optimizer)
-            gathered = time.perf_counter() - save.t0
-            if rank == 0:
-                store.save_checkpoint(root, 1, weights, optim, meta, keep_last=1)
-            del weights, optim
-        else:
-            sharded.save_sharded(root, 1, model, optimizer, meta, keep_last=1)
-            gathered = 0.0
-        dist.barrier()  # the step loop goes on when every rank is done
-    ckpt = root / "step_00000001"
+    saves = []
+    if fmt == "async":
+        staging, group = Staging(), writer_group()
+        for step in range(1, args.saves + 1):
+            saves.append(_save_async(root, step, model, optimizer, meta, staging, group))
+            dist.barrier()
+        ckpt = root / f"step_{args.saves:08d}"
+    else:
+        with _Measure() as save:
+            if fmt == "full":
+                weights, optim = _full_state(model, optimizer)
+                gathered = time.perf_counter() - save.t0
+                if rank == 0:
+                    store.save_checkpoint(root, 1, weights, optim, meta, keep_last=1)
+                del weights, optim
+            else:
+                sharded.save_sharded(root, 1, model, optimizer, meta, keep_last=1)
+                gathered = 0.0
+            dist.barrier()  # the step loop goes on when every rank is done
+        saves.append({**save.row(), "gather_seconds": gathered})
+        ckpt = root / "step_00000001"
     files = _files(ckpt)
     mine = (
         sum(files.values())
         if fmt == "full" and rank == 0
         else files.get(sharded.shard_name(rank, world), 0)
-        + (sum(v for k, v in files.items() if not k.startswith("shard-")) if rank == 0 and fmt == "sharded" else 0)
+        + (sum(v for k, v in files.items() if not k.startswith("shard-")) if rank == 0 and fmt != "full" else 0)
     )
+    for row in saves:
+        row["bytes_written_mb"] = mine / MB
     dist.barrier()
-    with _Measure() as load:
-        if fmt == "full":
-            _load_full(ckpt, model, optimizer)
-        else:
-            sharded.load_sharded(ckpt, model, optimizer)
-        dist.barrier()
-    row = {
-        "format": fmt,
-        "rank": rank,
-        "save": {**save.row(), "gather_seconds": gathered, "bytes_written_mb": mine / MB},
-        "load": load.row(),
-    }
+    load = None
+    if fmt != "async":  # an async checkpoint is a sharded one
+        with _Measure() as measured:
+            if fmt == "full":
+                _load_full(ckpt, model, optimizer)
+            else:
+                sharded.load_sharded(ckpt, model, optimizer)
+            dist.barrier()
+        load = measured.row()
+    row = {"format": fmt, "rank": rank, "saves": saves, "load": load}
     rows = [None] * world
     dist.all_gather_object(rows, row)
     if rank == 0:
@@ -214,6 +269,16 @@ def _worker(rank: int, world: int, port: int, fmt: str, args, out: str) -> None:
     dist.destroy_process_group()
 
 
+def _settle() -> None:
+    """Start each format on a clean page cache: the previous format's written pages flushed (and, where
+    this process may, dropped), so that its writeback does not slow the next one's allocations."""
+    os.sync()
+    try:
+        Path("/proc/sys/vm/drop_caches").write_text("1")
+    except OSError:  # not root: flushed only
+        pass
+
+
 def run_benchmark(args) -> list[dict]:
     import torch.multiprocessing as mp
 
@@ -222,7 +287,8 @@ def run_benchmark(args) -> list[dict]:
     out = work / "rows.jsonl"
     out.unlink(missing_ok=True)
     try:
-        for fmt in ("full", "sharded"):
+        for fmt in args.formats:
+            _settle()
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
@@ -230,8 +296,8 @@ def run_benchmark(args) -> list[dict]:
             shutil.rmtree(work / fmt, ignore_errors=True)
         return [json.loads(line) for line in out.read_text().splitlines()]
     finally:
-        shutil.rmtree(work / "full", ignore_errors=True)
-        shutil.rmtree(work / "sharded", ignore_errors=True)
+        for fmt in FORMATS:
+            shutil.rmtree(work / fmt, ignore_errors=True)
         out.unlink(missing_ok=True)
 
 
@@ -242,19 +308,26 @@ def main(argv=None) -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--embd", type=int, default=768)
     ap.add_argument("--vocab", type=int, default=65536)
+    ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
+    ap.add_argument("--saves", type=int, default=2, help="async saves in a row (the first allocates the buffers)")
     args = ap.parse_args(argv)
     rows = run_benchmark(args)
     print(json.dumps(rows, indent=1))
     print(
-        f"{'format':8} {'rank':>4} | {'save: rss MB':>12} {'extra peak':>10} {'s':>6} {'written MB':>10} | "
-        f"{'load: extra peak':>16} {'s':>6}"
+        f"{'format':8} {'rank':>4} {'save':>4} | {'rss MB':>7} {'extra peak':>10} {'stall s':>7} {'written MB':>10} "
+        f"{'write s':>7} {'compute':>7} | {'load: extra peak':>16} {'s':>6}"
     )
     for r in rows:
-        s, ld = r["save"], r["load"]
-        print(
-            f"{r['format']:8} {r['rank']:>4} | {s['rss_before_mb']:12.0f} {s['extra_peak_mb']:10.0f} "
-            f"{s['seconds']:6.2f} {s['bytes_written_mb']:10.0f} | {ld['extra_peak_mb']:16.0f} {ld['seconds']:6.2f}"
-        )
+        for i, s in enumerate(r["saves"], 1):
+            ld = r["load"] or {}
+            load = f"{ld['extra_peak_mb']:16.0f} {ld['seconds']:6.2f}" if ld and i == 1 else f"{'':16} {'':6}"
+            write = " " * 15
+            if "write_seconds" in s:
+                write = f"{s['write_seconds']:7.2f} {s['compute_rate_while_writing']:7.2f}"
+            print(
+                f"{r['format']:8} {r['rank']:>4} {i:>4} | {s['rss_before_mb']:7.0f} {s['extra_peak_mb']:10.0f} "
+                f"{s['seconds']:7.2f} {s['bytes_written_mb']:10.0f} {write} | {load}"
+            )
 
 
 if __name__ == "__main__":

@@ -156,8 +156,8 @@ def _write_job(rank: int, world: int, tmp: Path) -> None:
     # Rank 1 fails half way through its file: every rank stops with one line, nothing is committed.
     real = sharded.write_safetensors
 
-    def half_then_full_disk(source, path, names, metadata):
-        real(source, path, names[: len(names) // 2], metadata)
+    def half_then_full_disk(source, path, names, metadata, digest=None):
+        real(source, path, names[: len(names) // 2], metadata, digest)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     if rank == 1:

@@ -62,20 +62,30 @@ def _header(source: TensorSource, names: list[str], metadata: dict[str, str]) ->
     return raw + b" " * (-len(raw) % 8)  # the data starts 8-byte aligned (the format's recommendation)
 
 
-def write_safetensors(source: TensorSource, path: Path, names: list[str], metadata: dict[str, str]) -> int:
-    """Write `names` of `source` to one .safetensors file; returns the data bytes written."""
+def write_safetensors(
+    source: TensorSource, path: Path, names: list[str], metadata: dict[str, str], digest=None
+) -> int:
+    """Write `names` of `source` to one .safetensors file; returns the data bytes written. `digest`: a
+    hashlib object fed every byte of the file as it is written (a checkpoint's SHA-256 without
+    reading the file back)."""
     header = _header(source, names, metadata)
     total = 0
+
+    def put(data) -> None:
+        f.write(data)
+        if digest is not None:
+            digest.update(data)
+
     with open(path, "wb") as f:
-        f.write(len(header).to_bytes(8, "little"))
-        f.write(header)
+        put(len(header).to_bytes(8, "little"))
+        put(header)
         for name in names:
             t = source.get(name)
             want = source.nbytes(name)
             if tuple(t.shape) != tuple(source.shape(name)) or t.dtype != source.dtype(name):
                 raise FormatError(f"{name}: the source gave {t.dtype} {list(t.shape)}, not what it announced")
             if want:
-                f.write(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+                put(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
             total += want
             del t
             source.release(name)
