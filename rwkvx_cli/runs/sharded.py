@@ -683,13 +683,16 @@ def _check_values(name: str, t: torch.Tensor, source: str) -> None:
             raise CheckpointError(f"{source}: {name} is {v}, not a count of steps")
 
 
-def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> dict:
+def load_sharded(
+    ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None, verified: bool = False
+) -> dict:
     """Load a sharded checkpoint written by any number of ranks into `model` (plain, or FSDP2-sharded
     Shard(0) over this process group: each rank reads only its own rows) and `optimizer` (its state
     and groups; it keeps its own implementation flags). A collective when a process group exists.
     Returns the checkpoint's verified meta.json (RNG, counters, config: the caller's); the TBPTT carry
     is `store.load_extra(ckpt)`. Any failure is the same one-line CheckpointError on every rank,
-    before anything is loaded."""
+    before anything is loaded. `verified`: the ranks have just checked the files' SHA-256 (`verify`
+    with their shares, as a resume's search for the newest good checkpoint does): not hashed again."""
     ckpt = Path(ckpt)
     rank, world = _rank_world()
 
@@ -697,7 +700,13 @@ def load_sharded(ckpt: Path, model: torch.nn.Module, optimizer: torch.optim.Opti
         return why
 
     # 1. Check meta.json and index.json (every rank), and the files' SHA-256 (split over the ranks).
-    meta, index = together(lambda: verify(ckpt, (rank, world)), fail)
+    def check() -> tuple[dict, Index]:
+        if verified:
+            meta = read_meta(ckpt)
+            return meta, read_index(ckpt, meta)
+        return verify(ckpt, (rank, world))
+
+    meta, index = together(check, fail)
 
     # 2. Read this rank's rows into new tensors, checked against the model and optimizer.
     def read():

@@ -238,26 +238,14 @@ class CheckpointManager:
         """Load the newest good checkpoint into the model and optimizer (None if there is none).
         A damaged newer one is reported to `on_skip(path, reason)`, set aside (renamed
         corrupt-step_...), and skipped."""
-        found, refusal = None, None
-        if self.dist.is_main:
-            had = store.had_checkpoints(self.root)
-            found = store.latest_good(self.root, on_skip, quarantine=True)
-            if found is None and had:
-                refusal = (
-                    f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
-                    "resume from. Repair one, or train afresh without --resume"
-                )
-        is_sharded = bool(found) and store.is_sharded(found[1])
-        name, refusal, is_sharded = distributed.broadcast((found[0].name if found else None, refusal, is_sharded))
-        if refusal is not None:
-            raise CheckpointError(refusal)
-        if name is None:
+        found = self._newest_good(on_skip)
+        if found is None:
             return None
-        path = self.root / name
-        if is_sharded:  # every rank reads its own rows (load_sharded), whatever number of ranks wrote them
+        path, meta = found
+        if store.is_sharded(meta):  # every rank reads its own rows (load_sharded), whatever number of ranks wrote them
             meta, load = self._sharded_loader(path)
         else:
-            meta, load = self._full_loader(path, found[1] if found else None)
+            meta, load = self._full_loader(path, meta)
         try:
             rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
             skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
@@ -273,11 +261,44 @@ class CheckpointManager:
         carry = self._restore_carry(store.load_extra(path), str(path))
         return Restored(meta["step"], tokens_trained(meta), skipped, in_row, carry)
 
-    def _full_loader(self, path: Path, meta: dict | None) -> tuple[dict, Callable[[], None]]:
+    def _newest_good(self, on_skip) -> tuple[Path, dict] | None:
+        """(path, meta.json) of the newest checkpoint that verifies, every rank agreeing (None: there is
+        none). A sharded one's files are hashed by all ranks, each its share, in parallel (load_sharded
+        then does not hash them again); a full one's by rank 0 (its meta is {} on the others, which
+        read and check the files whole as they load them). Damaged ones are reported and set aside."""
+        rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
+        names = [p.name for p in reversed(store.step_dirs(self.root))] if main else None
+        had = store.had_checkpoints(self.root) if main else None  # damaged ones set aside before included
+        names, had = distributed.broadcast((names, had))
+        for name in names:
+            path = self.root / name
+
+            def check(path: Path = path) -> dict:
+                if not (path / "meta.json").is_file():
+                    raise CheckpointError(f"{path / 'meta.json'} is missing")
+                if store.is_sharded(store.read_meta(path)):
+                    return sharded.verify(path, (rank, world))[0]
+                return store.verify(path) if main else {}
+
+            try:
+                return path, sharded.together(check, lambda why: why)
+            except CheckpointError as e:
+                if main:
+                    if on_skip is not None:
+                        on_skip(path, str(e))
+                    store.set_aside(path)
+        if had:
+            raise CheckpointError(
+                f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
+                "resume from. Repair one, or train afresh without --resume"
+            )
+        return None
+
+    def _full_loader(self, path: Path, meta: dict) -> tuple[dict, Callable[[], None]]:
         """(meta.json, what loads it) for a full checkpoint: every rank reads the whole weights and
         optimizer state and checks them against the model before anything is loaded. `meta`: rank 0's
-        verified meta.json (None on the other ranks: they verify it here)."""
-        meta = meta if meta is not None else store.verify(path)
+        verified meta.json ({} on the other ranks: they verify it here)."""
+        meta = meta if meta else store.verify(path)  # {}: verified by rank 0 only
         weights = store.load_weights(path)
         own = self.model.state_dict()  # full shapes: a sharded DTensor reports its global shape
         problems = mismatch(own, weights)
@@ -304,7 +325,7 @@ class CheckpointManager:
             return meta
 
         meta = sharded.together(read, lambda why: why)
-        return meta, lambda: sharded.load_sharded(path, self.model, self.optimizer)
+        return meta, lambda: sharded.load_sharded(path, self.model, self.optimizer, verified=True)
 
     def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
         """This rank's per-micro-batch carry from the global-batch tensors (None when the checkpoint
