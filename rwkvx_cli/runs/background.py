@@ -44,8 +44,6 @@ class Staging:
         if key in self._used:
             raise ValueError(f"staging {key!r} twice")
         t = t.detach()
-        if hasattr(t, "to_local"):  # a DTensor: this rank's rows
-            t = t.to_local()
         buf = self._buffers.get(key)
         if buf is None or buf.shape != t.shape or buf.dtype != t.dtype:
             buf = torch.empty(t.shape, dtype=t.dtype, pin_memory=t.is_cuda)

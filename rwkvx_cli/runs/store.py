@@ -303,15 +303,28 @@ def load_optimizer_state(ckpt: Path, meta: dict) -> dict | None:
         raise CheckpointError(f"{ckpt}: the optimizer state is malformed ({type(e).__name__}: {e})") from None
 
 
-def latest_good(ckpt_root: Path, on_skip: Callable[[Path, str], None] | None = None, quarantine: bool = False):
-    """(path, meta) of the newest checkpoint that verifies, or None. Each damaged newer one (a
+def verify_step(path: Path) -> dict:
+    """`verify` for a step directory, which may lack meta.json (a damaged one: rwkvx renames a
+    checkpoint into place only once it is whole)."""
+    if not (path / "meta.json").is_file():
+        raise CheckpointError(f"{path / 'meta.json'} is missing")
+    return verify(path)
+
+
+def latest_good(
+    ckpt_root: Path,
+    on_skip: Callable[[Path, str], None] | None = None,
+    quarantine: bool = False,
+    check: Callable[[Path], dict] = verify_step,
+    paths: list[Path] | None = None,
+):
+    """(path, meta) of the newest checkpoint that `check` passes, or None. Each damaged newer one (a
     step directory without meta.json included) is reported to `on_skip(path, reason)` and, with
-    `quarantine`, set aside (`set_aside`)."""
-    for path in reversed(step_dirs(ckpt_root)):
+    `quarantine`, set aside (`set_aside`). `paths`: the candidates, newest first (None: the step
+    directories of `ckpt_root`)."""
+    for path in reversed(step_dirs(ckpt_root)) if paths is None else paths:
         try:
-            if not (path / "meta.json").is_file():
-                raise CheckpointError(f"{path / 'meta.json'} is missing")
-            return path, verify(path)
+            return path, check(path)
         except CheckpointError as e:
             if on_skip:
                 on_skip(path, str(e))

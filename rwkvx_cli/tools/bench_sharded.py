@@ -285,7 +285,9 @@ def run_benchmark(args) -> list[dict]:
     out = work / "rows.jsonl"
     out.unlink(missing_ok=True)
     try:
-        for fmt in args.formats:
+        for i, fmt in enumerate(args.formats, 1):
+            line = f"[{i}/{len(args.formats)}] {fmt}: {args.ranks} ranks saving and loading ..."
+            print(line, file=sys.stderr, flush=True)  # progress: a format takes minutes at 0.4B
             _settle()
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))

@@ -114,23 +114,60 @@ class CheckpointManager:
     ) -> Path | None:
         """Write the checkpoint of `step`, in train.checkpoint_format, before returning (after any save
         still in flight); its path on rank 0, None on the others."""
+        write = self._prepare(step, carry, self._meta(tokens, skipped_steps, nonfinite_in_row), background=False)
+        path = write()
+        self.committed.append(step)
+        return path
+
+    def save_async(
+        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
+    ) -> None:
+        """Stage the checkpoint of `step` and start writing it in the background (after the save still
+        in flight, if any, is written: its failure is raised here). Returns once the state is copied."""
+        write = self._prepare(step, carry, self._meta(tokens, skipped_steps, nonfinite_in_row), background=True)
+        self.writer = Writer(step, write)
+
+    def _prepare(self, step: int, carry: Carry, meta: dict, background: bool) -> Callable[[], Path | None]:
+        """Everything a save does on the loop's thread, every rank together: wait for the save in flight,
+        sync the metrics, gather the TBPTT carry, agree on the guard, and pick (sharded) or gather (full)
+        the state, copied into the staging buffers when the write is to run in the background (a full
+        state gathered under FSDP is a fresh copy already). Returns the write itself: it writes only
+        what it was given, so it may run on another thread (with its own process group)."""
         self.wait()
         if self.before_save is not None:
             self.before_save()
-        meta = self._meta(tokens, skipped_steps, nonfinite_in_row)
+        root, keep_last = self.root, self.keep_last
+        staging = self.staging if background else None
+        if staging is not None:
+            staging.begin()
+        carry_tensors = self._carry_tensors(carry)
+        if staging is not None:
+            carry_tensors = {k: staging.copy(("carry", k), v) for k, v in carry_tensors.items()}
+        self._check_guard(step)
         if self.cfg.train.checkpoint_format == "sharded":
-            path = self._save_sharded(step, carry, meta)
+            copy = None if staging is None else staging.copy
+            staged = sharded.together(
+                lambda: sharded.stage_sharded(self.model, self.optimizer, copy), sharded.save_failure(root, step)
+            )
+            group = self._writer_group() if background else None
+
+            def write() -> Path | None:
+                return sharded.write_sharded(root, step, staged, meta, keep_last, carry_tensors or None, group)
+
         else:
             weights, optim_state = distributed.full_state(self.model, self.optimizer)
-            carry_tensors = self._carry_tensors(carry)
-            self._check_guard(step)
-            path = None
-            if self.dist.is_main:
-                path = store.save_checkpoint(
-                    self.root, step, weights, optim_state, meta, self.keep_last, carry_tensors
-                )
-        self.committed.append(step)
-        return path
+            if staging is not None and not distributed.sharded(self.model):  # the live tensors
+                weights = staging.tree(weights, ("model",))
+                optim_state = staging.tree(optim_state, ("optim",))
+
+            def write() -> Path | None:
+                if not self.dist.is_main:
+                    return None
+                return store.save_checkpoint(root, step, weights, optim_state, meta, keep_last, carry_tensors)
+
+        if staging is not None:
+            staging.finish()
+        return write
 
     def _check_guard(self, step: int) -> None:
         """The guard on rank 0, its outcome agreed by every rank: a run directory no longer ours stops
@@ -141,54 +178,6 @@ class CheckpointManager:
                 self.guard()  # the run directory is still the one this process holds
 
         sharded.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
-
-    def _save_sharded(self, step: int, carry: Carry, meta: dict) -> Path | None:
-        """Every rank writes its own rows of the weights and optimizer state (runs/sharded.py), nothing
-        gathered but the TBPTT carry, which rank 0 writes whole as in a full checkpoint."""
-        carry_tensors = self._carry_tensors(carry)
-        self._check_guard(step)
-        return sharded.save_sharded(
-            self.root, step, self.model, self.optimizer, meta, self.keep_last, carry_tensors or None
-        )
-
-    def save_async(
-        self, step: int, carry: Carry, *, tokens: int, skipped_steps: int, nonfinite_in_row: int
-    ) -> None:
-        """Stage the checkpoint of `step` and start writing it in the background (after the save still
-        in flight, if any, is written: its failure is raised here). Returns once the state is copied."""
-        self.wait()
-        if self.before_save is not None:
-            self.before_save()
-        meta = self._meta(tokens, skipped_steps, nonfinite_in_row)
-        root, keep_last, staging = self.root, self.keep_last, self.staging
-        staging.begin()
-        carry_tensors = {k: staging.copy(("carry", k), v) for k, v in self._carry_tensors(carry).items()}
-        if self.cfg.train.checkpoint_format == "sharded":
-            self._check_guard(step)
-            fail = sharded.save_failure(root, step)
-            staged = sharded.together(
-                lambda: sharded.stage_sharded(self.model, self.optimizer, staging.copy), fail
-            )
-            staging.finish()
-            group = self._writer_group()
-
-            def write() -> Path | None:
-                return sharded.write_sharded(root, step, staged, meta, keep_last, carry_tensors or None, group)
-
-        else:
-            weights, optim_state = distributed.full_state(self.model, self.optimizer)
-            if not distributed.sharded(self.model):  # the live tensors: copied (FSDP's full state is a fresh copy)
-                weights = staging.tree(weights, ("model",))
-                optim_state = staging.tree(optim_state, ("optim",))
-            staging.finish()
-            self._check_guard(step)
-
-            def write() -> Path | None:
-                if not self.dist.is_main:
-                    return None
-                return store.save_checkpoint(root, step, weights, optim_state, meta, keep_last, carry_tensors)
-
-        self.writer = Writer(step, write)
 
     def _writer_group(self):
         """The writer thread's process group (made with the first background save: every rank is here)."""
@@ -263,36 +252,33 @@ class CheckpointManager:
 
     def _newest_good(self, on_skip) -> tuple[Path, dict] | None:
         """(path, meta.json) of the newest checkpoint that verifies, every rank agreeing (None: there is
-        none). A sharded one's files are hashed by all ranks, each its share, in parallel (load_sharded
-        then does not hash them again); a full one's by rank 0 (its meta is {} on the others, which
-        read and check the files whole as they load them). Damaged ones are reported and set aside."""
+        none): store.latest_good over rank 0's list, each check a collective. A sharded checkpoint's
+        files are hashed by all ranks, each its share, in parallel (load_sharded then does not hash
+        them again); a full one's by rank 0 (its meta is {} on the others, which read and check the
+        files whole as they load them). Rank 0 reports the damaged ones and sets them aside."""
         rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
         names = [p.name for p in reversed(store.step_dirs(self.root))] if main else None
         had = store.had_checkpoints(self.root) if main else None  # damaged ones set aside before included
         names, had = distributed.broadcast((names, had))
-        for name in names:
-            path = self.root / name
 
-            def check(path: Path = path) -> dict:
-                if not (path / "meta.json").is_file():
-                    raise CheckpointError(f"{path / 'meta.json'} is missing")
-                if store.is_sharded(store.read_meta(path)):
-                    return sharded.verify(path, (rank, world))[0]
-                return store.verify(path) if main else {}
+        def verify(path: Path) -> dict:
+            if (path / "meta.json").is_file() and store.is_sharded(store.read_meta(path)):
+                return sharded.verify(path, (rank, world))[0]
+            return store.verify_step(path) if main else {}
 
-            try:
-                return path, sharded.together(check, lambda why: why)
-            except CheckpointError as e:
-                if main:
-                    if on_skip is not None:
-                        on_skip(path, str(e))
-                    store.set_aside(path)
-        if had:
+        found = store.latest_good(
+            self.root,
+            on_skip if main else None,
+            quarantine=main,
+            check=lambda path: sharded.together(lambda: verify(path), lambda why: why),
+            paths=[self.root / n for n in names],
+        )
+        if found is None and had:
             raise CheckpointError(
                 f"every checkpoint in {self.root} is damaged (set aside as corrupt-step_...); nothing to "
                 "resume from. Repair one, or train afresh without --resume"
             )
-        return None
+        return found
 
     def _full_loader(self, path: Path, meta: dict) -> tuple[dict, Callable[[], None]]:
         """(meta.json, what loads it) for a full checkpoint: every rank reads the whole weights and
