@@ -6,20 +6,31 @@ Each rank reads rows rank, rank + N, ... of the step's global batch (a function 
 and step), so the global batch, and with it the loss, does not depend on N.
 Full checkpoints hold whole tensors (`full_state`, `load_full_state`), sharded ones each rank's
 rows (runs/sharded.py): either loads into any number of ranks and either mode.
+
+No rank is left waiting for one that stopped: start-up work that one rank does alone (rank 0
+claims the run directory, checks the data, writes the run files) or that may fail on one rank
+only runs through `agreed`, so a refusal there is every rank's one-line error; and a collective
+that finds another rank gone anyway is one line too (`peer_loss_in_one_line`), never a traceback.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import timedelta
+from typing import TypeVar
 
 import torch
 import torch.distributed as dist
 
 from rwkvx_cli.config import ConfigError
+from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.models.optimizer import implementation, restore_implementation
+from rwkvx_cli.runs.sharded import all_gather, one_line
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -72,9 +83,61 @@ def active() -> bool:
     return dist.is_initialized()
 
 
-def barrier() -> None:
-    if active():
-        dist.barrier()
+class RankStopped(RwkvxError):
+    """Another rank's error, on a rank that did not fail itself: that error's one line and exit code."""
+
+    def __init__(self, message: str, exit_code: int = 1):
+        super().__init__(message)
+        self.exit_code = exit_code
+
+
+def agreed(fn: Callable[[], T]) -> T:
+    """Run `fn` on every rank (work for one rank alone: `fn` tests the rank) and agree on the outcome
+    (runs/sharded.py's all_gather), in place of a barrier: this rank's result when every rank succeeded;
+    else every rank raises, the ones that failed their own error (a bug with its traceback), the others
+    RankStopped with the first failing rank's one line and exit code ("rank r: " before it but for
+    rank 0's). `fn` must not communicate itself: a rank failing before a collective would leave the
+    others waiting in it. One process: `fn()`."""
+    result, own, report = None, None, None
+    try:
+        result = fn()
+    except RwkvxError as e:
+        own, report = e, (str(e), e.exit_code)
+    except (OSError, MemoryError) as e:  # as the command line renders them (render.reports_errors)
+        memory = "out of memory; make the model, batch or shape smaller"
+        own, report = e, (one_line(e) if isinstance(e, OSError) else memory, 1)
+    except Exception as e:  # a bug: its traceback stays on this rank
+        own, report = e, (f"{type(e).__name__}: {one_line(e)} (a bug: see that rank's traceback)", 1)
+    reports = all_gather(report)
+    if own is not None:
+        raise own
+    failed = [(rank, r) for rank, r in enumerate(reports) if r is not None]
+    if failed:
+        rank, (message, code) = failed[0]
+        raise RankStopped(message if rank == 0 else f"rank {rank}: {message}", code)
+    return result
+
+
+def lost_peer(e: BaseException) -> bool:
+    """Whether `e` is a collective failing because another rank is gone (it exited after its own error,
+    was killed, or stopped answering), rather than a bug: torch's DistError, or gloo's transport
+    error (a plain RuntimeError: "Connection closed by peer", "Connection reset by peer", a timeout)."""
+    return isinstance(e, dist.DistError) or (isinstance(e, RuntimeError) and "gloo/transport" in str(e))
+
+
+@contextlib.contextmanager
+def peer_loss_in_one_line():
+    """Inside, a collective that finds another rank gone (`lost_peer`: one that stopped outside an
+    agreement, or was killed) raises RankStopped, one line saying so, instead of torch's traceback."""
+    try:
+        yield
+    except RuntimeError as e:
+        if not lost_peer(e):
+            raise
+        reason = one_line(e)
+        if reason.startswith("[") and "] " in reason:  # gloo: "[.../pair.cc:553] Connection closed by peer [...]. This"
+            reason = reason.split("] ", 1)[1].split(". ")[0]
+        raise RankStopped(f"another rank of this run stopped ({reason}); its own message says why") from None
 
 
 def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str = "fp32") -> torch.nn.Module:

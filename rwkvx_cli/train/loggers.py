@@ -21,6 +21,7 @@ from typing import Protocol
 
 from rwkvx_cli.config import LOGGERS, Config, ConfigError, config_to_dict
 from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.train import distributed
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
 
 # The package each optional sink imports, and the extra of rwkvx that installs it.
@@ -178,6 +179,10 @@ class Sinks:
                 self.sinks.append(WandbSink(cfg, run_dir))
 
     def __enter__(self) -> Sinks:
+        distributed.agreed(self._open)  # rank 0's (wandb may refuse to start): a failure stops every rank
+        return self
+
+    def _open(self) -> None:
         opened = []
         try:
             for sink in self.sinks:
@@ -187,7 +192,6 @@ class Sinks:
             for sink in reversed(opened):
                 sink.close()
             raise
-        return self
 
     def __exit__(self, *exc) -> None:
         for sink in reversed(self.sinks):

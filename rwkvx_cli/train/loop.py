@@ -177,7 +177,8 @@ class Trainer:
             self.nonfinite_in_row = restored.nonfinite_in_row
             if restored.carry is not None:
                 self.carry = restored.carry
-        self.metrics.truncate(self.step)  # also the steps logged before a crash that left no checkpoint
+        # Rank 0's log, agreed: also the steps logged before a crash that left no checkpoint.
+        distributed.agreed(lambda: self.metrics.truncate(self.step))
         return self.step
 
     def load_initial(self, weights: dict, source: str) -> None:

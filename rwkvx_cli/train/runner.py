@@ -200,7 +200,9 @@ def run_training(
     check_training(cfg, runtime)
     distributed.init(dist, runtime.device)
     try:
-        with claim_run(cfg) if dist.is_main else contextlib.nullcontext() as lock:
+        with distributed.peer_loss_in_one_line(), contextlib.ExitStack() as held:
+            # Rank 0 claims the run directory; a refusal (in use, not a run directory) is every rank's.
+            lock = distributed.agreed(lambda: held.enter_context(claim_run(cfg)) if dist.is_main else None)
             guard = lock.check if lock is not None else None
             return _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change)
     finally:
@@ -218,9 +220,9 @@ def _saved_config(run_dir: Path) -> Config | None:
     return None
 
 
-def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change) -> TrainResult:
-    emit = on_event or (lambda kind, payload: None)
-    run_dir = Path(cfg.run_dir)
+def _plan_start(cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_change) -> tuple[Start | None, dict]:
+    """The checks every rank makes before any file is written: (train.init_from's plan, the settings a
+    resume changes)."""
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     saved = _saved_config(run_dir) if resume else None
@@ -229,33 +231,47 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
         cfg.model = sizes_from(saved.model, cfg)  # the sizes the weights gave when the run began
     elif cfg.train.init_from:
         start = _start_from(cfg)
-    changes = resume_changes(saved, cfg, allow_change) if saved is not None else {}  # before any file is written
+    changes = resume_changes(saved, cfg, allow_change) if saved is not None else {}
     if dist.world_size > 1 and needs_preparing(cfg, run_dir):
-        # Every rank sees this before any of them waits: preparing here would leave the others
-        # at the barrier until they time out on a large corpus.
+        # Preparing here would leave the other ranks waiting until they time out on a large corpus.
         raise UsageError(
             "the corpus is not prepared, and a multi-process train does not prepare it (the other ranks would "
             f"wait and time out); run {prepare_command(cfg, run_dir)}"
         )
-    if dist.is_main:
-        data, model = open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
-    distributed.barrier()  # rank 0 has written the run files
-    if not dist.is_main:
-        data, model = ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed)
-    initial = start_weights(start, model) if start is not None else None  # before the model is wrapped
+    return start, changes
+
+
+def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change) -> TrainResult:
+    emit = on_event or (lambda kind, payload: None)
+    run_dir = Path(cfg.run_dir)
+
+    def first():  # every rank's checks, then rank 0 prepares the data and writes the run files
+        plan = _plan_start(cfg, resume, dist, run_dir, allow_change)
+        if not dist.is_main:
+            return plan, None
+        return plan, open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
+
+    (start, changes), opened = distributed.agreed(first)
+
+    def then():  # the other ranks open what rank 0 wrote; the initial weights are read before the model is wrapped
+        data, model = opened if dist.is_main else (ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed))
+        return data, model, start_weights(start, model) if start is not None else None
+
+    data, model, initial = distributed.agreed(then)
     trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard)
     if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
-        kept = trainer.metrics.set_aside()
-        if kept is not None:
+        aside = distributed.agreed(trainer.metrics.set_aside)  # rank 0's log
+        if aside is not None:
             warnings.warn(
-                f"{metrics_path(run_dir)} held steps with no checkpoint behind them; kept as {kept.name}",
+                f"{metrics_path(run_dir)} held steps with no checkpoint behind them; kept as {aside.name}",
                 stacklevel=2,
             )
     if resume:
         emit("resumed", trainer.resume(on_skip))
         if changes and trainer.step > 0:
-            trainer.metrics.note({"event": "resume", "step": trainer.step, "changed": changes})
+            note = {"event": "resume", "step": trainer.step, "changed": changes}
+            distributed.agreed(lambda: trainer.metrics.note(note))
             emit("changed", changes)
     if trainer.step == 0 and initial is not None:
         trainer.load_initial(initial, start.source)
@@ -266,8 +282,8 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
     result = TrainResult(trainer.step, last, stop.requested or trainer.step < trainer.last_step, trainer.skipped_steps)
     if last is None or result.stopped:
         return result
-    if dist.is_main and "jsonl" in cfg.train.loggers:  # the plot reads metrics.jsonl
-        plot_losses(metrics_path(run_dir), loss_plot_path(run_dir))
+    if "jsonl" in cfg.train.loggers:  # the plot reads metrics.jsonl, rank 0's
+        distributed.agreed(lambda: dist.is_main and plot_losses(metrics_path(run_dir), loss_plot_path(run_dir)))
     result.val = trainer.validate()
     # Every rank samples the same text (a sharded model needs them all); rank 0 shows it.
     result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed, cfg.data.reset_at_eod)

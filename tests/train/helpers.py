@@ -52,19 +52,37 @@ def env():
     }
 
 
-def cli_command(*args, nproc: int = 0) -> list[str]:
-    """`python -m rwkvx_cli ...`, or the same under `torchrun --standalone --nproc_per_node nproc`."""
+def cli_command(*args, nproc: int = 0, logs: Path | None = None) -> list[str]:
+    """`python -m rwkvx_cli ...`, or the same under `torchrun --standalone --nproc_per_node nproc`
+    (with `logs`, torchrun writes each rank's stdout and stderr under it instead: `rank_stderr`)."""
     if nproc:
-        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", "rwkvx_cli"]
+        launcher = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}"]
+        if logs is not None:
+            launcher += ["--log-dir", str(logs), "--redirects", "3"]
+        launcher += ["-m", "rwkvx_cli"]
     else:
         launcher = ["-m", "rwkvx_cli"]
     return [sys.executable, *launcher, *args]
 
 
-def run_cli(*args, nproc: int = 0, timeout: float = 300) -> subprocess.CompletedProcess:
+def run_cli(*args, nproc: int = 0, timeout: float = 300, logs: Path | None = None) -> subprocess.CompletedProcess:
     return subprocess.run(
-        cli_command(*args, nproc=nproc), capture_output=True, text=True, env=env(), timeout=timeout, cwd=REPO
+        cli_command(*args, nproc=nproc, logs=logs),
+        capture_output=True,
+        text=True,
+        env=env(),
+        timeout=timeout,
+        cwd=REPO,
     )
+
+
+def rank_stderr(logs: Path, nproc: int) -> list[str]:
+    """Each rank's stderr, in rank order, from the `logs` of one torchrun (run_cli(..., logs=))."""
+    texts = []
+    for rank in range(nproc):
+        (path,) = Path(logs).glob(f"*/attempt_0/{rank}/stderr.log")
+        texts.append(path.read_text())
+    return texts
 
 
 def rollback_to(run_dir, step):
