@@ -49,9 +49,9 @@ demo-rwkvx: $(STAMP)
 gradcheck: $(STAMP)
 	$(BIN)/rwkvx gradcheck --op all
 
-# The standard CPU benchmark set (every op at its default shapes, fwd+bwd, fp32).
+# The standard CPU benchmark set (every op at its default shapes, fwd+bwd, fp32), replacing bench/cpu.json.
 bench: $(STAMP)
-	$(BIN)/rwkvx bench --json bench/cpu.json
+	$(BIN)/rwkvx bench --json bench/cpu.json --force
 
 # Compile every Triton kernel ahead of time for sm_80 and sm_90 (no GPU needed) and print
 # shared memory, registers and spills per kernel; the -test variant asserts the limits (CI).
@@ -73,11 +73,11 @@ test-aarch64: $(TEST_STAMP)
 
 # On a GPU box: gradcheck every CUDA backend, bench wkv7 (fla's chunk_rwkv7 as a peer row
 # when FLA_WHEELS=<folder of fla wheels>), 200 bf16 training steps of configs/gpu-0.1b.yaml,
-# the CUDA `auto` choices -> bench/gpu.json, bench/gpu.md. Offline, with the box's own python
+# the CUDA `auto` choices -> bench/gpu.json, bench/gpu.md (replaced). Offline, with the box's own python
 # (CUDA torch + Triton) and the package from this checkout: no venv, nothing downloaded.
 GPU_PYTHON ?= python3
 gpu-check:
-	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m rwkvx_cli.tools.gpu_check --out bench
+	PYTHONPATH=.$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m rwkvx_cli.tools.gpu_check --out bench --force
 
 clean:
 	rm -rf $(VENV) *.egg-info .pytest_cache .ruff_cache

@@ -70,36 +70,52 @@ class OneLineErrors(TyperGroup):
             err.print("[bold red]aborted[/]")
             sys.exit(1)
         if code == 130:  # a KeyboardInterrupt: in a command (reports_errors), or while typer parsed
-            signals.ignore_stop_signals()
-            terminated = signals.was_terminated()  # SIGTERM unwinds as one too
-            err.print("[bold red]terminated[/]" if terminated else "[bold red]interrupted[/]")
-            sys.exit(143 if terminated else 130)
+            sys.exit(interrupted())
         sys.exit(code if isinstance(code, int) else 0)
 
 
+def interrupted() -> int:
+    """Say that a KeyboardInterrupt ended the program ("terminated" when SIGTERM raised it) and return
+    the exit code, 130 or 143; stop signals are ignored from here on, so that none interrupts the exit."""
+    signals.ignore_stop_signals()
+    terminated = signals.was_terminated()  # SIGTERM unwinds as one too
+    err.print("[bold red]terminated[/]" if terminated else "[bold red]interrupted[/]")
+    return 143 if terminated else 130
+
+
+def report_error(e: BaseException) -> int | None:
+    """The one way an error leaves the program (the CLI's commands, and the `python -m` tools through
+    entry.run_main): said in one line on stderr, and the exit code returned; None for an exception that
+    is not a user's to read in one line (a bug: its traceback is wanted). A KeyboardInterrupt returns 130
+    unsaid: the caller says it (`interrupted`), as for one met while parsing."""
+    if isinstance(e, RwkvxError):
+        one_line_error(str(e))
+        return e.exit_code
+    if isinstance(e, Terminated):  # SIGTERM outside training's graceful stop (start-up)
+        signals.ignore_stop_signals()  # a second one must not interrupt the exit
+        err.print("[bold red]terminated[/]")
+        return 143
+    if isinstance(e, KeyboardInterrupt):  # outside training's own handler (data preparation, eval, bench)
+        return 130
+    if isinstance(e, MemoryError):
+        one_line_error("out of memory; make the model, batch or shape smaller")
+        return 1
+    if isinstance(e, OSError):  # a full disk, a file-size limit, a read-only or vanished path
+        where = f"{e.filename}: " if e.filename else ""
+        one_line_error(f"{where}{e.strerror or e}")
+        return 1
+    return None
+
+
 def reports_errors(fn):
-    """Render the project's errors as one line on stderr and exit with their code."""
+    """Render the project's errors as one line on stderr and exit with their code (report_error)."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
         try:
             return fn(*args, **kwargs)
-        except RwkvxError as e:
-            one_line_error(str(e))
-            raise typer.Exit(e.exit_code) from None
-        except Terminated:  # SIGTERM outside training's graceful stop (start-up)
-            signals.ignore_stop_signals()  # a second one must not interrupt the exit
-            err.print("[bold red]terminated[/]")
-            raise typer.Exit(143) from None
-        except KeyboardInterrupt:  # outside training's own handler (data preparation, eval, bench)
-            raise typer.Exit(130) from None  # OneLineErrors says "interrupted", as for one met while parsing
-        except MemoryError:
-            one_line_error("out of memory; make the model, batch or shape smaller")
-            raise typer.Exit(1) from None
-        except OSError as e:  # a full disk, a file-size limit, a read-only or vanished path
-            where = f"{e.filename}: " if e.filename else ""
-            one_line_error(f"{where}{e.strerror or e}")
-            raise typer.Exit(1) from None
+        except (RwkvxError, KeyboardInterrupt, MemoryError, OSError) as e:
+            raise typer.Exit(report_error(e)) from None
 
     return wrapper
 

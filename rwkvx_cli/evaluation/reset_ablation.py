@@ -1,7 +1,8 @@
 """The document-boundary ablation's figures: runs trained with and without data.reset_at_eod, each
 evaluated both ways (docs/training.md#should-i-reset-at-document-boundaries).
 
-    python -m rwkvx_cli.evaluation.reset_ablation RUN... [--max-len 8192] [--png PATH] [--json PATH]
+    python -m rwkvx_cli.evaluation.reset_ablation RUN... [--max-len 8192] [--png PATH] [--json PATH] [--force]
+    python -m rwkvx_cli.evaluation.reset_ablation --from-json PATH [--png PATH]
 
 Each RUN is a finished run directory (its newest good checkpoint is read). For every run and both
 evaluation settings (a fresh state at each end-of-document token, or the state carried across):
@@ -12,13 +13,15 @@ evaluation settings (a fresh state at each end-of-document token, or the state c
   where a model that never resets meets more documents in its state than it trained on.
 The table gives each figure's mean and sample standard deviation over the runs of one training
 setting (the seeds); the picture draws the last two, one line per training x evaluation setting.
+`--from-json` redraws both from an earlier `--json`; an existing --png or --json is replaced only with
+--force.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
+import os
 import statistics
 import sys
 from pathlib import Path
@@ -26,8 +29,10 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from rwkvx_cli.entry import ArgumentParser, at_least, input_text, run_main
+from rwkvx_cli.errors import UsageError
 from rwkvx_cli.evaluation.long_context import loss_by_position, read, streams_of, token_losses
-from rwkvx_cli.fsio import atomic_write_bytes
+from rwkvx_cli.fsio import check_output, write_output
 from rwkvx_cli.models import document_starts
 from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
@@ -177,10 +182,11 @@ COMBOS = ((False, "eval_carry"), (False, "eval_reset"), (True, "eval_carry"), (T
 STREAM_FROM = 64  # the long streams' buckets drawn: the earlier ones hold a few tokens per stream
 
 
-def plot(results: list[dict], path: Path) -> None:
-    """Three panels, one colour per training setting, solid: evaluated carried, dashed: reset. The
-    validation loss (bars: the mean, dots: each run); then, by position in the document and along long
-    streams, the mean loss minus that of the runs trained and evaluated carried (RWKV-LM's way)."""
+def plot(results: list[dict]) -> bytes:
+    """The picture, as PNG bytes. Three panels, one colour per training setting, solid: evaluated carried,
+    dashed: reset. The validation loss (bars: the mean, dots: each run); then, by position in the document
+    and along long streams, the mean loss minus that of the runs trained and evaluated carried (RWKV-LM's
+    way)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -237,35 +243,61 @@ def plot(results: list[dict], path: Path) -> None:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=110)
     plt.close(fig)
-    atomic_write_bytes(path, buf.getvalue())
+    return buf.getvalue()
 
 
 def main(argv: list[str] | None = None) -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = ArgumentParser(prog="python -m rwkvx_cli.evaluation.reset_ablation", description=__doc__.split("\n\n")[0])
     parser.add_argument("runs", nargs="*", type=Path)
-    parser.add_argument("--max-len", type=int, default=8192, help="the long streams' length (--by-position)")
+    parser.add_argument("--max-len", type=at_least(1), default=8192, help="the long streams' length (--by-position)")
     parser.add_argument("--png", type=Path, default=None)
     parser.add_argument("--json", type=Path, default=None)
     parser.add_argument(
         "--from-json", type=Path, default=None, help="redraw from an earlier --json instead of evaluating"
     )
+    parser.add_argument("--force", action="store_true", help="replace --png and --json if they exist")
     args = parser.parse_args(argv)
+    if (args.from_json is None) == (not args.runs):
+        parser.error("give the run directories or --from-json PATH (one of them)")
+    if args.png is not None and args.json is not None and os.path.abspath(args.png) == os.path.abspath(args.json):
+        parser.error("--png and --json name the same file")
+    for path, flag in ((args.png, "--png"), (args.json, "--json")):
+        if path is not None:
+            check_output(path, args.force, flag)  # before minutes of evaluation
     if args.from_json is not None:
-        results = json.loads(args.from_json.read_text())
+        results = read_results(args.from_json)
     else:
         results = []
         for i, run in enumerate(args.runs):  # a few minutes each on two cores: a plain line per run
             print(f"[{i + 1}/{len(args.runs)}] evaluating {run} both ways", file=sys.stderr, flush=True)
             results.append(evaluate_run(run, args.max_len))
-    print(table(results))
-    print()
-    print(alignment_table(results))
+    try:
+        figures = table(results) + "\n\n" + alignment_table(results)
+        picture = None if args.png is None else plot(results)
+    except (KeyError, IndexError, TypeError, ValueError, statistics.StatisticsError) as e:
+        if args.from_json is None:
+            raise
+        raise UsageError(f"--from-json {args.from_json}: not what --json writes ({type(e).__name__}: {e})") from None
+    print(figures)
     if args.json is not None:
-        atomic_write_bytes(args.json, json.dumps(results, indent=1).encode())
-    if args.png is not None:
-        plot(results, args.png)
+        write_output(args.json, json.dumps(results, indent=1), force=args.force, flag="--json")
+    if picture is not None:
+        write_output(args.png, picture, force=args.force, flag="--png")
         print(f"wrote {args.png}")
 
 
+def read_results(path: Path) -> list[dict]:
+    """An earlier --json: its per-run figures (a list of objects, each with its training setting)."""
+    try:
+        results = json.loads(input_text(path, "--from-json"))
+    except json.JSONDecodeError as e:
+        raise UsageError(f"--from-json {path} is not JSON: {e}") from None
+    fields = ("run", "trained_reset", "eval_carry", "eval_reset")
+    runs = isinstance(results, list) and bool(results)
+    if not runs or not all(isinstance(r, dict) and set(fields) <= r.keys() for r in results):
+        raise UsageError(f"--from-json {path} is not what --json writes (runs, each with {', '.join(fields)})")
+    return results
+
+
 if __name__ == "__main__":
-    main()
+    run_main(main)

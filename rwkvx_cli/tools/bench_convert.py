@@ -5,8 +5,9 @@ It writes a randomly initialised checkpoint of the released 0.4B shape (24 x 102
 0.45B parameters; fp32 1.8 GB) as an rwkvx model.safetensors, tensor by tensor, then runs each
 conversion in a fresh Python process and reads that process's peak resident set (VmHWM), its
 resident set right after the imports, and the peaks of its anonymous and file-backed parts
-(sampled every 20 ms from /proc/self/status). Everything it wrote is deleted at the end.
-Linux only (/proc).
+(sampled every 20 ms from /proc/self/status). WORKDIR (made if missing) may hold anything: it writes
+only into a new directory it makes there (bench-convert-XXXXXXXX) and deletes that one at the end (unless
+--keep). Linux only (/proc).
 """
 
 from __future__ import annotations
@@ -16,12 +17,15 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
 
 import torch
 
+from rwkvx_cli.entry import ArgumentParser, run_main
+from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.runs.formats import sizes as sz
 from rwkvx_cli.runs.formats.tensors import TensorSource
 from rwkvx_cli.runs.formats.write import write_shards
@@ -99,12 +103,15 @@ def run_benchmark(
     workdir: str | os.PathLike, dtype: str = "fp32", keep: bool = False, sizes: sz.Sizes | None = None
 ) -> dict:
     """Write the checkpoint (`sizes`, default the 0.4B shape) under `workdir`, time and measure the
-    three conversions, delete it all (unless `keep`). Returns {"checkpoint_bytes", "parameters",
-    "cpu", "runs": {kind: {"baseline_rss", "peak_rss", "RssAnon", "RssFile", "seconds", ratios}}}."""
+    three conversions, delete it all (unless `keep`: then "kept" names where it is). Returns
+    {"checkpoint_bytes", "parameters", "cpu", "runs": {kind: {"baseline_rss", "peak_rss", "RssAnon",
+    "RssFile", "seconds", ratios}}}."""
     from rwkvx_cli.runs.formats.hf import DTYPES
 
-    work = Path(workdir) / f"bench-convert-{os.getpid()}"
-    work.mkdir(parents=True)
+    if Path(workdir).exists() and not Path(workdir).is_dir():
+        raise UsageError(f"WORKDIR {workdir} is not a directory")
+    Path(workdir).mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-convert-", dir=workdir))
     try:
         sizes = sizes or sz.Sizes("rwkvx", ffn_size=4 * 1024, **SHAPE_04B)
         ckpt = work / "rwkvx"
@@ -120,13 +127,17 @@ def run_benchmark(
         ):
             call = f"_child({kind!r}, {str(source)!r}, {str(target)!r})"
             code = f"from rwkvx_cli.tools.bench_convert import _child; {call}"
-            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+            proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+            if proc.returncode:
+                last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+                raise RwkvxError(f"the {kind} conversion failed: {last}")
             r = json.loads(proc.stdout.strip().splitlines()[-1])
             r["peak_over_checkpoint"] = round(r["peak_rss"] / nbytes, 3)
             r["peak_above_baseline_over_checkpoint"] = round((r["peak_rss"] - r["baseline_rss"]) / nbytes, 3)
             runs[kind] = r
         params = sum(torch.Size(s).numel() for s in src._shapes.values())
-        return {"checkpoint_bytes": nbytes, "parameters": params, "dtype": dtype, "cpu": _cpu(), "runs": runs}
+        kept = {"kept": str(work)} if keep else {}
+        return {"checkpoint_bytes": nbytes, "parameters": params, "dtype": dtype, "cpu": _cpu(), "runs": runs, **kept}
     finally:
         if not keep:
             shutil.rmtree(work, ignore_errors=True)
@@ -143,12 +154,14 @@ def _cpu() -> str:
     return "unknown"
 
 
-if __name__ == "__main__":
-    import argparse
-
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("workdir")
+def main(argv: list[str] | None = None) -> None:
+    p = ArgumentParser(prog="python -m rwkvx_cli.tools.bench_convert", description=__doc__.splitlines()[0])
+    p.add_argument("workdir", help="a directory; the benchmark writes only into a new one it makes there")
     p.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
-    p.add_argument("--keep", action="store_true")
-    a = p.parse_args()
+    p.add_argument("--keep", action="store_true", help="keep what it wrote")
+    a = p.parse_args(argv)
     sys.stdout.write(json.dumps(run_benchmark(a.workdir, a.dtype, a.keep), indent=2) + "\n")
+
+
+if __name__ == "__main__":
+    run_main(main)

@@ -18,7 +18,8 @@ fresh process, as `rwkvx data prepare` does; its anonymous memory (RssAnon: not 
 outputs) and its workers' are sampled every 0.1 s. All of it runs in --repeat rounds; each ratio is taken within
 a round (a slow spell of a shared machine hits both of its sides) and its median over the rounds is reported, each
 rate as the run of median speed, and the load average is recorded before and after every run. Prints a table and,
-with --json, writes every figure.
+with --json, writes every figure (an existing file only with --force). Everything it writes goes into a new directory
+(bench-prepare-XXXXXXXX, inside --dir if given: nothing else there is touched), deleted at the end unless --keep.
 """
 
 from __future__ import annotations
@@ -35,6 +36,10 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from rwkvx_cli.entry import ArgumentParser, above_zero, at_least, input_text, run_main
+from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.fsio import check_output, write_json
 
 SOURCE = Path(__file__).resolve().parents[2] / "data" / "tinyshakespeare.txt"
 
@@ -234,7 +239,7 @@ def alone_at_once(kind: str, tokenizer: str | Path, corpus: Path, n: int) -> dic
     procs = [subprocess.Popen(args, stdout=subprocess.PIPE, text=True, env=env) for _ in range(n)]
     runs = [json.loads(p.communicate()[0].strip().splitlines()[-1]) for p in procs]
     if any(p.returncode for p in procs):
-        raise SystemExit("a concurrent tokenizer run failed")
+        raise RwkvxError("a concurrent tokenizer run failed")
     return {"processes": n, "text_mb_per_s": sum(r["text_mb_per_s"] for r in runs), "each": runs}
 
 
@@ -253,7 +258,7 @@ def prepare_run(corpus: Path, out: Path, tokenizer: str | Path, workers: int) ->
     with MemorySampler(proc.pid) as sampler:
         stdout, _ = proc.communicate()
     if proc.returncode:
-        raise SystemExit(f"prepare failed (exit {proc.returncode})")
+        raise RwkvxError(f"prepare failed (exit {proc.returncode})")
     r = json.loads(stdout.strip().splitlines()[-1])
     shutil.rmtree(out, ignore_errors=True)
     return {
@@ -358,23 +363,47 @@ def projection(w1_text_mb_per_s: float, scaling: float | None) -> dict:
     }
 
 
+TOKENIZERS = ("byte", "bpe", "world")
+
+
+def _tokenizers(text: str) -> list[str]:
+    names = [t for t in text.split(",") if t]
+    bad = [t for t in names if t not in TOKENIZERS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(TOKENIZERS)}")
+    return names
+
+
+def _counts(text: str) -> list[int]:
+    return [at_least(1)(t) for t in text.split(",")]
+
+
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m rwkvx_cli.tools.bench_prepare", description=__doc__.splitlines()[0])
-    ap.add_argument("--mb", type=float, default=300.0, help="corpus size in MB (default 300)")
-    ap.add_argument("--tokenizers", default="byte,bpe,world")
-    ap.add_argument("--workers", default="1,2", help="worker counts to time (default 1,2)")
+    ap = ArgumentParser(prog="python -m rwkvx_cli.tools.bench_prepare", description=__doc__.splitlines()[0])
+    ap.add_argument("--mb", type=above_zero, default=300.0, help="corpus size in MB (default 300)")
+    ap.add_argument("--tokenizers", type=_tokenizers, default="byte,bpe,world")
+    ap.add_argument("--workers", type=_counts, default="1,2", help="worker counts to time (default 1,2)")
     ap.add_argument("--style", choices=("prose", "verse"), default="prose")
     ap.add_argument("--json", type=Path, help="write every figure here")
-    ap.add_argument("--dir", type=Path, help="where the corpus and outputs go (default: a temporary directory)")
-    ap.add_argument("--keep", action="store_true", help="keep the generated corpus")
+    ap.add_argument("--force", action="store_true", help="replace --json if it exists")
+    ap.add_argument("--dir", type=Path, help="where its own directory goes (default: the system's temporary one)")
+    ap.add_argument("--keep", action="store_true", help="keep what it wrote (the generated corpus)")
     ap.add_argument("--source", type=Path, default=SOURCE, help="the text the documents are drawn from")
-    ap.add_argument("--repeat", type=int, default=3, help="rounds of every measurement; medians count (default 3)")
+    ap.add_argument(
+        "--repeat", type=at_least(1), default=3, help="rounds of every measurement; medians count (default 3)"
+    )
     args = ap.parse_args(argv)
+    if args.dir is not None and args.dir.exists() and not args.dir.is_dir():
+        ap.error(f"--dir {args.dir} is not a directory")
+    if args.json is not None:
+        check_output(args.json, args.force, "--json")  # before minutes of measuring
+    input_text(args.source, "--source")
     from rwkvx_cli.data.tokenizer import BPETokenizer, load_tokenizer
     from rwkvx_cli.data.world import WorldTokenizer
 
-    work = Path(args.dir) if args.dir else Path(tempfile.mkdtemp(prefix="bench-prepare-"))
-    work.mkdir(parents=True, exist_ok=True)
+    if args.dir is not None:
+        args.dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="bench-prepare-", dir=args.dir))
     corpus = work / f"corpus-{args.style}-{args.mb:g}MB.jsonl"
     command = " ".join(["python -m rwkvx_cli.tools.bench_prepare", *(sys.argv[1:] if argv is None else argv)])
     report: dict = {"machine": machine(), "command": command}
@@ -383,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         report["corpus"] = generate(corpus, args.mb, args.style, args.source)
         report["corpus"]["generate_seconds"] = time.perf_counter() - t0
         report["tokenizers"] = {}
-        for kind in args.tokenizers.split(","):
+        for kind in args.tokenizers:
             if kind == "bpe":
                 tok = BPETokenizer.train([args.source.read_text(encoding="utf-8")], 8192)
                 tok.save(work / "bpe.json")
@@ -398,17 +427,15 @@ def main(argv: list[str] | None = None) -> int:
                         with contextlib.suppress(Exception):  # not installed, no compiler
                             others[engine] = WorldTokenizer(engine)
                             others[engine].encode_arrays(["warm"])
-            counts = [int(w) for w in args.workers.split(",")]
-            entry = measure(kind, tok, name, corpus, counts, others, args.repeat, work)
+            entry = measure(kind, tok, name, corpus, args.workers, others, args.repeat, work)
             report["tokenizers"][kind] = entry
             _print_entry(kind, entry)
     finally:
-        if not args.keep:
-            corpus.unlink(missing_ok=True)
-        if not args.dir and not args.keep:
+        if args.keep:
+            print(f"kept {corpus}", file=sys.stderr)
+        else:
             shutil.rmtree(work, ignore_errors=True)
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=2) + "\n")
+    write_json(args.json, report, force=args.force)
     return 0
 
 
@@ -439,4 +466,4 @@ def _print_entry(kind: str, e: dict) -> None:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -26,8 +26,9 @@ Per rank: the resident set before the operation, the extra peak during it (VmHWM
 it through /proc/self/clear_refs, minus the resident set before), the wall time (the stall: until
 the rank may train on) and the bytes it wrote. Before each format the page cache is flushed.
 `--formats` picks some (a 1.5B model's full save does not fit in 24 GiB),
-`--no-load` leaves out the loads. Linux only (/proc). Everything written under WORKDIR is deleted
-at the end.
+`--no-load` leaves out the loads. Linux only (/proc). WORKDIR (made if missing) may hold anything:
+the benchmark writes only into a new directory it makes there (bench-sharded-XXXXXXXX) and deletes that
+one at the end, nothing else.
 """
 
 from __future__ import annotations
@@ -39,11 +40,15 @@ import os
 import shutil
 import socket
 import sys
+import tempfile
 import time
 from datetime import timedelta
 from pathlib import Path
 
 import torch
+
+from rwkvx_cli.entry import ArgumentParser, at_least, run_main
+from rwkvx_cli.errors import UsageError
 
 MB = 1 << 20
 FORMATS = ("full", "sharded", "async")
@@ -206,7 +211,8 @@ def _save_async(root: Path, step: int, model, optimizer, meta, staging, group) -
     }
 
 
-def _worker(rank: int, world: int, port: int, fmt: str, args, out: str) -> None:
+def _worker(rank: int, world: int, port: int, fmt: str, args, root: str, out: str) -> None:
+    """One rank of one format: its checkpoints under `root`, its rows appended to `out` (rank 0)."""
     import torch.distributed as dist
 
     from rwkvx_cli.runs import sharded, store
@@ -216,7 +222,7 @@ def _worker(rank: int, world: int, port: int, fmt: str, args, out: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(minutes=30))
     model, optimizer = _build(args)
-    root = Path(args.workdir) / fmt
+    root = Path(root)
     meta = {"config": {}}
     dist.barrier()
     saves = []
@@ -278,12 +284,16 @@ def _settle() -> None:
 
 
 def run_benchmark(args) -> list[dict]:
+    """Every format of `args.formats` measured (the rows of all ranks), in a new directory made inside
+    args.workdir and deleted at the end: nothing else there is read, replaced or deleted."""
     import torch.multiprocessing as mp
 
     work = Path(args.workdir)
+    if work.exists() and not work.is_dir():
+        raise UsageError(f"WORKDIR {work} is not a directory")
     work.mkdir(parents=True, exist_ok=True)
-    out = work / "rows.jsonl"
-    out.unlink(missing_ok=True)
+    scratch = Path(tempfile.mkdtemp(prefix="bench-sharded-", dir=work))
+    out = scratch / "rows.jsonl"
     try:
         for i, fmt in enumerate(args.formats, 1):
             line = f"[{i}/{len(args.formats)}] {fmt}: {args.ranks} ranks saving and loading ..."
@@ -292,24 +302,33 @@ def run_benchmark(args) -> list[dict]:
             with socket.socket() as s:
                 s.bind(("127.0.0.1", 0))
                 port = s.getsockname()[1]
-            mp.spawn(_worker, args=(args.ranks, port, fmt, args, str(out)), nprocs=args.ranks, join=True)
-            shutil.rmtree(work / fmt, ignore_errors=True)
+            root = scratch / fmt
+            mp.spawn(_worker, args=(args.ranks, port, fmt, args, str(root), str(out)), nprocs=args.ranks, join=True)
+            shutil.rmtree(root, ignore_errors=True)
         return [json.loads(line) for line in out.read_text().splitlines()]
     finally:
-        for fmt in FORMATS:
-            shutil.rmtree(work / fmt, ignore_errors=True)
-        out.unlink(missing_ok=True)
+        shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _width(text: str) -> int:
+    """--embd: a positive multiple of the head size, 64."""
+    value = at_least(64)(text)
+    if value % 64:
+        raise argparse.ArgumentTypeError(f"must be a multiple of 64 (the head size), not {text}")
+    return value
 
 
 def main(argv=None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("workdir")
-    ap.add_argument("--ranks", type=int, default=2)
-    ap.add_argument("--layers", type=int, default=12)
-    ap.add_argument("--embd", type=int, default=768)
-    ap.add_argument("--vocab", type=int, default=65536)
+    ap = ArgumentParser(prog="python -m rwkvx_cli.tools.bench_sharded", description=__doc__.splitlines()[0])
+    ap.add_argument("workdir", help="a directory; the benchmark writes only into a new one it makes there")
+    ap.add_argument("--ranks", type=at_least(1), default=2)
+    ap.add_argument("--layers", type=at_least(1), default=12)
+    ap.add_argument("--embd", type=_width, default=768)
+    ap.add_argument("--vocab", type=at_least(1), default=65536)
     ap.add_argument("--formats", nargs="+", choices=FORMATS, default=list(FORMATS))
-    ap.add_argument("--saves", type=int, default=2, help="async saves in a row (the first allocates the buffers)")
+    ap.add_argument(
+        "--saves", type=at_least(1), default=2, help="async saves in a row (the first allocates the buffers)"
+    )
     ap.add_argument("--no-load", action="store_true", help="time the saves only (a load holds a second share)")
     args = ap.parse_args(argv)
     rows = run_benchmark(args)
@@ -332,4 +351,4 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

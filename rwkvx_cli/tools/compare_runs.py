@@ -1,17 +1,17 @@
 """Compare finished training runs: validation bits per byte against tokens, grouped by a config setting.
 
-    python -m rwkvx_cli.tools.compare_runs RUN... --by model.ffn_key_gain [--panel model.n_embd] [--png PATH]
+    python -m rwkvx_cli.tools.compare_runs RUN... --by model.ffn_key_gain [--panel model.n_embd] [--png PATH] [--force]
 
 Each RUN is a run directory (its config.yaml and metrics.jsonl). Runs are grouped by the value of `--by`
 (each group a colour; its runs, e.g. seeds, one line each) and split into one panel per value of `--panel`.
 The table gives, per panel and group, each run's final validation bits per byte and the mean and sample
 standard deviation over the group's runs, and the mean of the last 50 steps' training loss; it is what
-docs/model.md#the-channel-mix-key-gain reports. Reads only what `rwkvx train` writes.
+docs/model.md#the-channel-mix-key-gain reports. Reads only what `rwkvx train` writes; an existing
+--png is replaced only with --force.
 """
 
 from __future__ import annotations
 
-import argparse
 import io
 import json
 import statistics
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import yaml
 
-from rwkvx_cli.fsio import atomic_write_bytes
+from rwkvx_cli.entry import ArgumentParser, input_text, run_main
+from rwkvx_cli.errors import UsageError
+from rwkvx_cli.fsio import check_output, write_output
 
 LAST_STEPS = 50
 
@@ -43,10 +45,19 @@ def setting(config: dict, key: str):
 
 def read_run(run: Path) -> dict:
     """A run's config, its validation curve [(tokens, val_bpb)] and its last steps' mean training loss."""
-    config = yaml.safe_load((run / "config.yaml").read_text())
-    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    val = [(r["tokens"], r["val_bpb"]) for r in rows if r.get("val_bpb") is not None]
-    losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    try:
+        config = yaml.safe_load(input_text(run / "config.yaml", "config"))
+    except yaml.YAMLError as e:
+        raise UsageError(f"{run / 'config.yaml'} is not YAML: {str(e).splitlines()[0]}") from None
+    if not isinstance(config, dict):
+        raise UsageError(f"{run / 'config.yaml'} is not a run's config (a mapping of sections)")
+    metrics = run / "metrics.jsonl"
+    try:
+        rows = [json.loads(line) for line in input_text(metrics, "metrics").splitlines() if line.strip()]
+        val = [(r["tokens"], r["val_bpb"]) for r in rows if r.get("val_bpb") is not None]
+        losses = [r["loss"] for r in rows if r.get("loss") is not None]
+    except (ValueError, KeyError, TypeError, AttributeError) as e:  # JSONDecodeError is a ValueError
+        raise UsageError(f"{metrics} is not what `rwkvx train` writes ({type(e).__name__}: {e})") from None
     if not val:
         raise ValueError(f"{run}: metrics.jsonl holds no validation result")
     return {
@@ -83,7 +94,8 @@ def summary(groups: dict, by: str, panel: str | None) -> list[str]:
     return lines
 
 
-def plot(groups: dict, by: str, panel: str | None, path: Path, title: str) -> Path:
+def plot(groups: dict, by: str, panel: str | None, path: Path, title: str, force: bool = False) -> Path:
+    """The picture, written to `path` (an existing file only with `force`)."""
     plt = _pyplot()
     panels = sorted(groups)
     fig, axes = plt.subplots(1, len(panels), figsize=(5.5 * len(panels), 4), squeeze=False)
@@ -107,32 +119,34 @@ def plot(groups: dict, by: str, panel: str | None, path: Path, title: str) -> Pa
     try:
         buffer = io.BytesIO()
         fig.savefig(buffer, dpi=100, format="png")
-        atomic_write_bytes(Path(path), buffer.getvalue())  # a temporary name, then renamed
-        return Path(path)
+        return write_output(Path(path), buffer.getvalue(), force=force, flag="--png")
     finally:
         plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap = ArgumentParser(prog="python -m rwkvx_cli.tools.compare_runs", description=__doc__.split("\n\n")[0])
     ap.add_argument("runs", nargs="+", type=Path, help="run directories")
     ap.add_argument("--by", required=True, help="the config key whose values make the groups")
     ap.add_argument("--panel", help="a config key whose values make one panel each")
     ap.add_argument("--png", type=Path, help="write the picture here")
     ap.add_argument("--title", default="validation bits per byte by tokens")
+    ap.add_argument("--force", action="store_true", help="replace --png if it exists")
     args = ap.parse_args(argv)
+    if args.png:
+        check_output(args.png, args.force, "--png")
     for run in args.runs:
         if not ((run / "config.yaml").is_file() and (run / "metrics.jsonl").is_file()):
             ap.error(f"{run} is not a run directory (no config.yaml and metrics.jsonl)")
     try:
         groups = compare(args.runs, args.by, args.panel)
-    except (KeyError, ValueError) as e:
+    except (KeyError, TypeError, ValueError) as e:
         ap.error(f"{e}" if isinstance(e, ValueError) else f"no setting {args.by!r} or {args.panel!r} in a config: {e}")
     print("\n".join(summary(groups, args.by, args.panel)))
     if args.png:
-        print(f"wrote {plot(groups, args.by, args.panel, args.png, args.title)}")
+        print(f"wrote {plot(groups, args.by, args.panel, args.png, args.title, args.force)}")
     return 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    run_main(main)

@@ -34,6 +34,9 @@ import sys
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass
 
+from rwkvx_cli.entry import ArgumentParser, run_main
+from rwkvx_cli.errors import RwkvxError
+
 # Shared memory a block may use (the opt-in maximum per block).
 SHARED_LIMIT = {80: 163 * 1024, 90: 227 * 1024}
 TARGETS = (80, 90)
@@ -323,11 +326,13 @@ def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES) -> list[Launch]:
     env = {**os.environ, "TRITON_INTERPRET": "1"}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
     if proc.returncode != 0:
-        raise RuntimeError(f"recording the launches failed: {proc.stderr.strip()[-2000:]}")
+        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+        raise RwkvxError(f"recording the launches (under TRITON_INTERPRET=1) failed: {last}")
     return [Launch(**x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    ArgumentParser(prog="python -m rwkvx_cli.tools.compile_gate", description=__doc__.splitlines()[0]).parse_args(argv)
     from rich.console import Console
     from rich.table import Table
 
@@ -355,4 +360,4 @@ def main() -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)

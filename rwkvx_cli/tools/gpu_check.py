@@ -23,7 +23,8 @@ kernel fails that step only:
                 and backward, at the ops' small gradient-check case: on CUDA the kernels are
                 torch.library.triton_ops that Inductor launches itself, which no CPU test can run.
 
-Each step's status (ok, FAIL, skipped) is in the report; the exit status is 1 if any failed.
+Each step's status (ok, FAIL, skipped) is in the report; the exit status is 1 if any failed. An
+existing gpu.json or gpu.md in --out is replaced only with --force (`make gpu-check` passes it).
 `--device cpu --quick` runs the same steps at tiny sizes (the test suite's check of the driver).
 Library code never prints; this module is a script (`python -m rwkvx_cli.tools.gpu_check`).
 """
@@ -40,6 +41,9 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from rwkvx_cli.entry import ArgumentParser, run_main
+from rwkvx_cli.fsio import check_output, write_output
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (rwkvx_cli/tools/ is two below it)
 TRAIN_CONFIG = ROOT / "configs" / "gpu-0.1b.yaml"
@@ -502,15 +506,25 @@ def markdown(report: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
+STEPS = ("gradcheck", "bench", "fused", "model", "train", "auto", "compile")
+
+
+def _steps(text: str) -> list[str]:
+    names = [s for s in text.split(",") if s]
+    bad = [s for s in names if s not in STEPS]
+    if not names or bad:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of {', '.join(STEPS)}")
+    return names
+
+
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m rwkvx_cli.tools.gpu_check", description=__doc__.split("\n\n")[0])
+    p = ArgumentParser(prog="python -m rwkvx_cli.tools.gpu_check", description=__doc__.split("\n\n")[0])
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--quick", action="store_true", help="tiny sizes (the test suite's CPU run)")
     p.add_argument("--out", default="bench", help="folder for gpu.json and gpu.md")
     p.add_argument("--ops", default="", help="comma-separated ops to gradcheck (default: all)")
-    p.add_argument(
-        "--steps", default="gradcheck,bench,fused,model,train,auto,compile", help="comma-separated steps to run"
-    )
+    p.add_argument("--steps", type=_steps, default=",".join(STEPS), help="comma-separated steps to run")
+    p.add_argument("--force", action="store_true", help="replace gpu.json and gpu.md in --out if they exist")
     p.add_argument("--fla-wheels", default=os.environ.get("FLA_WHEELS"), help="local folder of fla wheels")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--op", help=argparse.SUPPRESS)
@@ -520,14 +534,16 @@ def main(argv: list[str] | None = None) -> int:
         return _worker_gradcheck(args.op, args.device, args.json)
     if args.worker == "compile":
         return _worker_compile(args.device, args.json, args.quick)
+    out = Path(args.out)
+    for name in ("gpu.json", "gpu.md"):
+        check_output(out / name, args.force, "--out")  # before minutes of checks
 
     from rwkvx_cli.ops import op_names
 
     start = time.perf_counter()
     ops = [o for o in args.ops.split(",") if o] or op_names()
-    wanted = [s for s in args.steps.split(",") if s]
     steps = []
-    for name in wanted:
+    for name in args.steps:
         if name == "gradcheck":
             steps.append(step_gradcheck(args.device, ops, args))
         elif name == "bench":
@@ -542,8 +558,6 @@ def main(argv: list[str] | None = None) -> int:
             steps.append(step_auto(args.device))
         elif name == "compile":
             steps.append(step_compile(args.device, args.quick))
-        else:
-            steps.append(Step(name, "FAIL", detail=f"unknown step {name!r}"))
     report = {
         "environment": environment(args.device),
         "quick": args.quick,
@@ -552,13 +566,11 @@ def main(argv: list[str] | None = None) -> int:
         "seconds": time.perf_counter() - start,
         "steps": [asdict(s) for s in steps],
     }
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "gpu.md").write_text(markdown(report))
+    write_output(out / "gpu.json", json.dumps(report, indent=2) + "\n", force=args.force, flag="--out")
+    write_output(out / "gpu.md", markdown(report), force=args.force, flag="--out")
     sys.stdout.write(markdown(report))
     return 0 if report["passed"] else 1
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    run_main(main)
