@@ -8,6 +8,8 @@ import contextlib
 import errno
 import json
 import os
+import shutil
+import stat
 from pathlib import Path
 
 from rwkvx_cli.errors import RwkvxError, UsageError
@@ -64,14 +66,41 @@ def open_no_follow(path: Path | str, flags: int, mode: int = 0o644) -> int:
         raise
 
 
+def create_new(path: Path | str, dir_fd: int | None = None):
+    """A new file at `path`, open for writing (binary): the one way rwkvx creates a file it writes into
+    a directory of its own. Whatever entry is at the name (a stale file, a planted link) is unlinked
+    first and the file made with O_EXCL|O_NOFOLLOW, so nothing is ever written through a link. With
+    `dir_fd` (an open directory: `path`'s parent when it was opened) the file is made in that directory
+    wherever it is now, by `path`'s last component; `path` then only names it in errors."""
+    name = os.path.basename(path) if dir_fd is not None else path
+    try:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(name, dir_fd=dir_fd)
+        fd = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644, dir_fd=dir_fd)
+    except OSError as e:  # EEXIST: planted again since the unlink
+        e.filename = str(path)  # the whole path, not the name relative to dir_fd
+        raise
+    return os.fdopen(fd, "wb")
+
+
+def remove_entry(path: Path | str, dir_fd: int | None = None) -> None:
+    """Remove what is at `path` (relative to `dir_fd` when given), never following a link: a link or a
+    file is unlinked, a directory removed with everything in it. Nothing there is no error."""
+    try:
+        st = os.lstat(path, dir_fd=dir_fd)
+    except FileNotFoundError:
+        return
+    if stat.S_ISDIR(st.st_mode):
+        shutil.rmtree(path, dir_fd=dir_fd)  # fd-based: a link inside is unlinked, never followed
+    else:
+        os.unlink(path, dir_fd=dir_fd)
+
+
 def create_temp(path: Path):
-    """(temp path, binary file) of a new file beside `path` (temp_path's name), made with O_EXCL: an
+    """(temp path, binary file) of a new file beside `path` (temp_path's name), made by create_new: an
     entry already there (a stale one of this pid, or a planted link) is removed, never written through."""
     tmp = temp_path(Path(path))
-    with contextlib.suppress(FileNotFoundError):
-        os.unlink(tmp)
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
-    return tmp, os.fdopen(fd, "wb")
+    return tmp, create_new(tmp)
 
 
 def open_append(path: Path | str):

@@ -48,8 +48,10 @@ class RunLock:
         st = os.fstat(fd)
         self._identity = (st.st_dev, st.st_ino)
 
-    def check(self) -> None:
-        """Raise RunLockLost when `run_dir` no longer names the directory this process locked."""
+    def check(self) -> tuple[int, int]:
+        """Raise RunLockLost when `run_dir` no longer names the directory this process locked; else
+        return that directory's (st_dev, st_ino), which a checkpoints folder held open must be in
+        (runs/store.py's Root.check)."""
         try:
             st = os.stat(self.run_dir)
             here = (st.st_dev, st.st_ino)
@@ -60,6 +62,7 @@ class RunLock:
                 f"the run directory {self.run_dir} was moved, deleted or replaced while this process held it; "
                 "stopping without writing a checkpoint there"
             )
+        return self._identity
 
 
 @contextlib.contextmanager

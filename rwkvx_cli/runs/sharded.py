@@ -43,7 +43,6 @@ the directory and leaves the rows of a missing shard unloaded without a word.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import re
@@ -55,11 +54,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-from rwkvx_cli.fsio import atomic_write_text, fsync_dir
+from rwkvx_cli.fsio import atomic_write_text, create_new, fsync_dir, fsync_file, remove_entry
 from rwkvx_cli.models.optimizer import implementation, restore_implementation
 from rwkvx_cli.runs import store
 from rwkvx_cli.runs.formats.checks import is_int, is_number, show, strict_json
-from rwkvx_cli.runs.formats.tensors import ST_DTYPES, ST_NAMES, DictSource, SafetensorsFiles, TensorSource
+from rwkvx_cli.runs.formats.tensors import ST_DTYPES, ST_NAMES, SafetensorsFiles, TensorSource
 from rwkvx_cli.runs.formats.write import write_safetensors
 from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import mismatch
@@ -245,13 +244,6 @@ def _optimizer_parts(model, optimizer) -> tuple[dict[str, torch.Tensor], dict]:
 
 
 # -- saving --------------------------------------------------------------------------------------------
-class _LocalSource(DictSource):
-    """A rank's tensors for the safetensors writer, each copied to the CPU only when it is written."""
-
-    def get(self, name: str) -> torch.Tensor:
-        return super().get(name).detach().to("cpu")
-
-
 @dataclass(frozen=True)
 class Staged:
     """One rank's share of a sharded checkpoint, ready to be written: the pieces of every tensor (this
@@ -313,7 +305,7 @@ def save_failure(ckpt_root: Path, step: int) -> Callable[[str], str]:
 
 
 def write_sharded(
-    ckpt_root: Path,
+    ckpt_root: Path | store.Root,
     step: int,
     staged: Staged,
     meta: dict,
@@ -323,41 +315,43 @@ def write_sharded(
 ) -> Path | None:
     """Write a staged checkpoint (stage_sharded's, on every rank): a collective over `group` (None: the
     default process group; a writer thread passes its own, so that its agreements never interleave
-    with training's collectives). Returns and fails as save_sharded."""
-    ckpt_root = Path(ckpt_root)
+    with training's collectives). `ckpt_root`: the checkpoints folder, or on rank 0 the store.Root a
+    run holds (rank 0 makes, renames and removes every entry relative to it; the other ranks open
+    `.tmp-step_N` by path, and create their file in it new). Returns and fails as save_sharded."""
+    held = ckpt_root if isinstance(ckpt_root, store.Root) else None
+    ckpt_root = held.path if held is not None else Path(ckpt_root)
     rank, world = staged.rank, staged.world
     pieces = staged.pieces
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp-step_{step:08d}"
+    final, tmp = f"step_{step:08d}", f".tmp-step_{step:08d}"
+    tmp_path = ckpt_root / tmp
     fail = save_failure(ckpt_root, step)
+    opened: list[store.Root] = []  # a Root rank 0 opened for this save alone
 
     def clean() -> None:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if held is not None:
+            held.discard(tmp)
 
     # 1. Rank 0 makes the temporary directory (removing any left by a crash mid-write: a run has at most
     # one save in flight, so no other is being written).
     def prepare() -> None:
+        nonlocal held
         if rank == 0:
-            ckpt_root.mkdir(parents=True, exist_ok=True)
-            for stale in ckpt_root.glob(".tmp-step_*"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-
-    together(prepare, fail, clean, group=group)
+            if held is None:
+                held = store.Root.open(ckpt_root, parents=True)
+                opened.append(held)
+            held.begin(tmp)
 
     # 2. Every rank writes, fsyncs and hashes its own file (the directory exists: rank 0 made it before agreeing).
     def write():
         name = shard_name(rank, world)
         mine = {p.name: p.local for p in pieces if p.local is not None}
-        order = sorted(mine, key=lambda n: -mine[n].element_size())  # each tensor aligned to its item size
-        meta_st = {"format": "pt", "rwkvx_shard": f"{rank}/{world}", "step": str(step)}
-        digest = hashlib.sha256()  # hashed as written: the file is not read back
-        write_safetensors(_LocalSource(mine), tmp / name, order, meta_st, digest)
+        with store.open_dir(tmp_path, held) as dir_fd:
+            entry = store.write_tensors(
+                mine, tmp_path / name, dir_fd, {"rwkvx_shard": f"{rank}/{world}", "step": str(step)}
+            )
         declared = [(p.name, p.dtype, p.shape) for p in pieces]
         chunks = [(p.name, p.start, p.stop) for p in pieces if p.local is not None]
-        return name, (tmp / name).stat().st_size, digest.hexdigest(), declared, chunks
-
-    reports = together(write, fail, clean, share=True, group=group)
+        return name, entry["bytes"], entry["sha256"], declared, chunks
 
     # 3. Rank 0 checks that the rows tile every tensor, writes index.json and meta.json (last), renames.
     def commit():
@@ -365,28 +359,26 @@ def write_sharded(
             return None
         index = _build_index(world, reports, staged.optimizer)
         listing = {name: {"bytes": size, "sha256": sha} for name, size, sha, _, _ in reports}
-        if extra:
-            cpu = {k: v.detach().cpu().contiguous() for k, v in extra.items()}
-            write_safetensors(DictSource(cpu), tmp / EXTRA, list(cpu), {"format": "pt"})
-            listing[EXTRA] = store.file_entry(tmp / EXTRA)
-        atomic_write_text(tmp / INDEX, json.dumps(index, separators=(",", ":")) + "\n")
-        listing[INDEX] = store.file_entry(tmp / INDEX)
-        body = {**meta, "step": step, "format": store.META_FORMAT, "checkpoint_format": FORMAT, "files": listing}
-        body["meta_sha256"] = store.meta_digest(body)
-        atomic_write_text(tmp / "meta.json", json.dumps(body, indent=2) + "\n")
-        fsync_dir(tmp)
-        if final.exists():  # a damaged one left under this name (a good one would have been resumed from)
-            if any(final.iterdir()):
-                store.set_aside(final)
-            else:
-                final.rmdir()
-        os.replace(tmp, final)
-        fsync_dir(ckpt_root)
-        for old in store.list_checkpoints(ckpt_root)[:-keep_last]:
-            shutil.rmtree(old, ignore_errors=True)
-        return final
+        with store.open_dir(tmp_path, held) as dir_fd:
+            if extra:
+                listing[EXTRA] = store.write_tensors(extra, tmp_path / EXTRA, dir_fd)
+            raw = (json.dumps(index, separators=(",", ":")) + "\n").encode("utf-8")
+            listing[INDEX] = store.write_new(tmp_path / INDEX, raw, dir_fd)
+            body = {**meta, "step": step, "format": store.META_FORMAT, "checkpoint_format": FORMAT, "files": listing}
+            body["meta_sha256"] = store.meta_digest(body)
+            store.write_new(tmp_path / "meta.json", (json.dumps(body, indent=2) + "\n").encode("utf-8"), dir_fd)
+            os.fsync(dir_fd)
+        path = held.commit(tmp, final)
+        held.prune(keep_last)
+        return path
 
-    return together(commit, fail, clean, group=group)
+    try:
+        together(prepare, fail, clean, group=group)
+        reports = together(write, fail, clean, share=True, group=group)
+        return together(commit, fail, clean, group=group)
+    finally:
+        for root in opened:
+            root.close()
 
 
 def _build_index(world: int, reports: list, opt_part: dict | None) -> dict:
@@ -839,7 +831,7 @@ def write_full(ckpt: Path, out: Path) -> Path:
     if out.exists():
         raise CheckpointError(f"{out} exists")
     tmp = out.with_name(f".tmp-{out.name}")
-    shutil.rmtree(tmp, ignore_errors=True)
+    remove_entry(tmp)  # left by a killed export; a link there is unlinked, not followed
     tmp.mkdir(parents=True)
     try:
         body = {k: v for k, v in meta.items() if k not in ("files", "meta_sha256", "checkpoint_format")}
@@ -864,7 +856,9 @@ def write_full(ckpt: Path, out: Path) -> Path:
             }
             body["optimizer"] = {"param_groups": int_groups, "scalars": scalars}
         if EXTRA in meta["files"]:
-            shutil.copyfile(ckpt / EXTRA, tmp / EXTRA)
+            with open(ckpt / EXTRA, "rb") as src, create_new(tmp / EXTRA) as dst:
+                shutil.copyfileobj(src, dst)
+                fsync_file(dst)
         listing = {}
         for name in ("model.safetensors", "optimizer.safetensors", EXTRA):
             if (tmp / name).is_file():

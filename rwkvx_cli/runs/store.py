@@ -8,24 +8,31 @@ renamed into place, so a crash never leaves a partial checkpoint under a real na
 is written last and lists every file's size and SHA-256: a checkpoint counts only when meta.json
 is complete, and it is used only when every file matches. Loading takes the newest such
 checkpoint and falls back to older ones past a damaged one (which is renamed `corrupt-step_...`).
+
+A save writes into a checkpoints folder held open (`Root`): `.tmp-step_N`, every file in it, the
+rename into place and keep_last's removals are relative to the open folder, never through its path,
+so a run directory moved or replaced during a save receives nothing and a planted link is never
+followed (every file is made new: fsio.create_new).
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import re
-import shutil
-from collections.abc import Callable
+import stat
+import weakref
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.fsio import atomic_write_text, fsync_dir, fsync_path
+from rwkvx_cli.fsio import LinkRefused, create_new, fsync_file, remove_entry
 
 META_FORMAT = 2  # 2: meta.json lists files with sizes and SHA-256; 1 (no "files"): checked by loading
 
@@ -88,21 +95,231 @@ def meta_digest(meta: dict) -> str:
     return hashlib.sha256(json.dumps(body, sort_keys=True).encode()).hexdigest()
 
 
-def _cpu(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    return {k: v.detach().cpu().contiguous() for k, v in tensors.items()}
+# -- the checkpoints folder a save writes into -----------------------------------------------------------
+def _identity(st: os.stat_result) -> tuple[int, int]:
+    return st.st_dev, st.st_ino
 
 
-def save_checkpoint(
-    ckpt_root: Path, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None = None
-) -> Path:
-    """`weights`: a module or its state_dict; `optimizer`: an optimizer, its state_dict, or None.
-    `extra`: more tensors to keep (e.g. the TBPTT carry), written to extra.safetensors."""
+def _close(*fds: int) -> None:
+    for fd in fds:
+        with contextlib.suppress(OSError):
+            os.close(fd)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """An OSError raised inside names `path` (an operation relative to a directory descriptor names only
+    the last component)."""
     try:
-        return _save(ckpt_root, step, weights, optimizer, meta, keep_last, extra)
-    except (OSError, SafetensorError) as e:  # a full disk, a file-size limit, a read-only directory
-        shutil.rmtree(ckpt_root / f".tmp-step_{step:08d}", ignore_errors=True)
+        yield
+    except OSError as e:
+        e.filename = str(path)
+        raise
+
+
+def check_root(path: Path) -> None:
+    """Refuse a checkpoints folder that is a symbolic link (rwkvx never makes one, and writes through
+    none) or not a directory, in one line; a missing one is made by the first save (Root.open)."""
+    path = Path(path)
+    if path.is_symlink():
+        raise CheckpointError(str(LinkRefused(path)))
+    if path.exists() and not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory")
+
+
+class Root:
+    """A checkpoints folder held open while saves go into it (a training run holds its own from its first
+    save on: train/checkpointer.py).
+
+    The folder's parent (the run directory) is opened, the folder made inside it with a plain mkdir
+    (never a run directory that was moved away) and opened without following a link: a symbolic link
+    there is refused. Every entry a save makes, renames or removes is then named relative to the open
+    folder (`dir_fd=`), so the save lands in the folder that was opened, never in one put at its path
+    meanwhile. `check()` raises when the run directory or the folder is no longer at its path (moved,
+    deleted or replaced): `begin` and `commit` call it, before a save makes anything and before it
+    renames `.tmp-step_N` into place; the failed save then removes `.tmp-step_N` from where it is."""
+
+    def __init__(self, path: Path, parent_fd: int, fd: int):
+        self.path, self.parent_fd, self.fd = Path(path), parent_fd, fd
+        self._closer = weakref.finalize(self, _close, parent_fd, fd)
+
+    @classmethod
+    def open(cls, path: Path | str, parents: bool = False) -> Root:
+        """Open the checkpoints folder `path`, made if missing. `parents`: make the directories above it
+        too (a tool's or a test's own folder; a run's is made only inside its existing run directory)."""
+        path = Path(path)
+        if parents:
+            path.parent.mkdir(parents=True, exist_ok=True)
+        with _naming(path.parent):
+            parent_fd = os.open(path.parent, os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            with _naming(path):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(path.name, dir_fd=parent_fd)
+                if stat.S_ISLNK(os.lstat(path.name, dir_fd=parent_fd).st_mode):
+                    raise CheckpointError(str(LinkRefused(path)))
+                fd = os.open(path.name, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=parent_fd)
+        except BaseException:
+            _close(parent_fd)
+            raise
+        return cls(path, parent_fd, fd)
+
+    def close(self) -> None:
+        self._closer()
+
+    def check(self, locked: tuple[int, int] | None = None) -> None:
+        """Raise CheckpointError unless the run directory held is still at its path (and, given
+        `locked`, the (st_dev, st_ino) of the directory this process locked: runs/lock.py, is that
+        one) and the folder held still in it."""
+
+        def at(name, dir_fd=None, follow=False):
+            try:
+                return _identity(os.stat(name, dir_fd=dir_fd, follow_symlinks=follow))
+            except OSError:
+                return None
+
+        run = _identity(os.fstat(self.parent_fd))
+        if at(self.path.parent, follow=True) != run or locked not in (None, run):  # a link run directory: its target
+            raise CheckpointError(
+                f"the run directory {self.path.parent} was moved, deleted or replaced while this process held it; "
+                "stopping without writing a checkpoint there"
+            )
+        if at(self.path.name, self.parent_fd) != _identity(os.fstat(self.fd)):
+            raise CheckpointError(f"{self.path} was moved, deleted or replaced during the run; stopping")
+
+    def begin(self, tmp: str) -> None:
+        """After check(): remove every `.tmp-step_*` a killed save left (a link there unlinked, never
+        followed: a run has at most one save in flight), then make `tmp` (`.tmp-step_N`) new."""
+        self.check()
+        for name in os.listdir(self.fd):
+            if name.startswith(".tmp-step_"):
+                with _naming(self.path / name):
+                    remove_entry(name, self.fd)
+        with _naming(self.path / tmp):
+            os.mkdir(tmp, dir_fd=self.fd)
+
+    def discard(self, tmp: str) -> None:
+        """Remove a failed save's `tmp`, wherever the folder is now; nothing raised."""
+        with contextlib.suppress(OSError):
+            remove_entry(tmp, self.fd)
+
+    def commit(self, tmp: str, final: str) -> Path:
+        """After check(): rename the written `tmp` to `final` and make the rename durable. What is
+        already under `final` is kept aside when it holds anything (a damaged checkpoint: a good one
+        would have been resumed from), removed when it is an empty directory or a link."""
+        self.check()
+        with _naming(self.path / final):
+            try:
+                st = os.lstat(final, dir_fd=self.fd)
+            except FileNotFoundError:
+                st = None
+            if st is not None and stat.S_ISLNK(st.st_mode):
+                os.unlink(final, dir_fd=self.fd)
+            elif st is not None:
+                try:
+                    os.rmdir(final, dir_fd=self.fd)  # empty: nothing to keep
+                except OSError:
+                    set_aside(Path(final), self.fd)
+            os.replace(tmp, final, src_dir_fd=self.fd, dst_dir_fd=self.fd)
+        with contextlib.suppress(OSError):
+            os.fsync(self.fd)
+        return self.path / final
+
+    def prune(self, keep_last: int) -> None:
+        """Remove all but the newest `keep_last` complete checkpoints (list_checkpoints' rule, over the
+        folder held: a link is neither counted nor followed)."""
+        complete = []
+        for name in os.listdir(self.fd):
+            try:
+                real = stat.S_ISDIR(os.lstat(name, dir_fd=self.fd).st_mode)
+                real = real and stat.S_ISREG(os.lstat(f"{name}/meta.json", dir_fd=self.fd).st_mode)
+            except OSError:
+                continue
+            if real and is_step_dir(Path(name)):
+                complete.append(name)
+        for name in sorted(complete, key=lambda n: step_of(Path(n)))[:-keep_last]:
+            with contextlib.suppress(OSError):
+                remove_entry(name, self.fd)
+
+
+@contextlib.contextmanager
+def open_dir(path: Path, root: Root | None = None) -> Iterator[int]:
+    """A descriptor of the directory `path` (a save's `.tmp-step_N`), not followed if it is a link: in
+    `root`'s folder held open when given, else by path (a rank that holds no Root). Closed after."""
+    with _naming(path):
+        fd = os.open(
+            path.name if root else path, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW, dir_fd=root.fd if root else None
+        )
+    try:
+        yield fd
+    finally:
+        os.close(fd)
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], path: Path, dir_fd: int, metadata: dict | None = None) -> dict:
+    """Write `tensors` to a new safetensors file `path` in the open directory `dir_fd` (its parent), the
+    largest item size first (each tensor aligned to it), each copied to the CPU as it is written, and
+    fsync it; returns meta.json's record of it (file_entry's), hashed as written."""
+    from rwkvx_cli.runs.formats.tensors import DictSource  # formats builds on this module: imported here
+    from rwkvx_cli.runs.formats.write import write_safetensors
+
+    order = sorted(tensors, key=lambda n: -tensors[n].element_size())
+    digest = hashlib.sha256()
+    meta = {"format": "pt", **(metadata or {})}
+    write_safetensors(DictSource(tensors), path, order, meta, digest, dir_fd)
+    with _naming(path):
+        size = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_size
+    return {"bytes": size, "sha256": digest.hexdigest()}
+
+
+def write_new(path: Path, data: bytes, dir_fd: int) -> dict:
+    """Write `data` to a new file `path` in the open directory `dir_fd` (fsio.create_new) and fsync it;
+    returns meta.json's record of it."""
+    with create_new(path, dir_fd) as f:
+        f.write(data)
+        fsync_file(f)
+    return {"bytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+
+
+@contextlib.contextmanager
+def holding(ckpt_root: Path | Root) -> Iterator[Root]:
+    """`ckpt_root` itself when it is a Root, else one opened (with its parents made) for the block."""
+    if isinstance(ckpt_root, Root):
+        yield ckpt_root
+        return
+    root = Root.open(ckpt_root, parents=True)
+    try:
+        yield root
+    finally:
+        root.close()
+
+
+def failure_reason(e: BaseException) -> str:
+    """A failed save's error in a few words: the file it names, if any, and why."""
+    if isinstance(e, OSError):
+        return f"{str(e.filename) + ': ' if e.filename else ''}{io_reason(e)}"
+    return io_reason(e)
+
+
+# -- saving --------------------------------------------------------------------------------------------
+def save_checkpoint(
+    ckpt_root: Path | Root, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None = None
+) -> Path:
+    """`ckpt_root`: the checkpoints folder (made as needed), or the Root a run holds. `weights`: a module
+    or its state_dict; `optimizer`: an optimizer, its state_dict, or None. `extra`: more tensors to keep
+    (e.g. the TBPTT carry), written to extra.safetensors. A failure is one CheckpointError, the partial
+    `.tmp-step_N` removed (from the folder held, wherever it is now)."""
+    path = ckpt_root.path if isinstance(ckpt_root, Root) else Path(ckpt_root)
+    try:
+        with holding(ckpt_root) as root:
+            try:
+                return _save(root, step, weights, optimizer, meta, keep_last, extra)
+            except BaseException:
+                root.discard(f".tmp-step_{step:08d}")
+                raise
+    except (OSError, SafetensorError, CheckpointError) as e:  # a full disk, a file-size limit, a lost directory
         raise CheckpointError(
-            f"cannot write the checkpoint of step {step} in {ckpt_root}: {io_reason(e)}; "
+            f"cannot write the checkpoint of step {step} in {path}: {failure_reason(e)}; "
             "the earlier checkpoints are intact"
         ) from None
 
@@ -117,41 +334,28 @@ def io_reason(e: Exception) -> str:
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
 
 
-def _save(ckpt_root: Path, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None) -> Path:
-    ckpt_root.mkdir(parents=True, exist_ok=True)
-    for stale in ckpt_root.glob(".tmp-step_*"):  # left by a crash mid-write
-        shutil.rmtree(stale, ignore_errors=True)
-    final = ckpt_root / f"step_{step:08d}"
-    tmp = ckpt_root / f".tmp-step_{step:08d}"
-    tmp.mkdir()
+def _save(root: Root, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None) -> Path:
+    final, tmp = f"step_{step:08d}", f".tmp-step_{step:08d}"
+    root.begin(tmp)
     if isinstance(weights, torch.nn.Module):
         weights = weights.state_dict()
-    files = {"model.safetensors": _cpu(weights)}
+    files = {"model.safetensors": weights}
     if optimizer is not None:
         sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
         opt_tensors, opt_meta = _optimizer_tensors(sd)
         files["optimizer.safetensors"] = opt_tensors
         meta = {**meta, "optimizer": opt_meta}
     if extra:
-        files["extra.safetensors"] = _cpu(extra)
-    listing = {}
-    for name, tensors in files.items():
-        save_file(tensors, tmp / name)
-        fsync_path(tmp / name)
-        listing[name] = file_entry(tmp / name)
-    meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
-    meta["meta_sha256"] = meta_digest(meta)
-    atomic_write_text(tmp / "meta.json", json.dumps(meta, indent=2) + "\n")
-    if final.exists():  # a damaged one left under this name (a good one would have been resumed from)
-        if any(final.iterdir()):
-            set_aside(final)
-        else:
-            final.rmdir()  # empty: nothing to keep
-    os.replace(tmp, final)
-    fsync_dir(ckpt_root)
-    for old in list_checkpoints(ckpt_root)[:-keep_last]:
-        shutil.rmtree(old, ignore_errors=True)
-    return final
+        files["extra.safetensors"] = extra
+    with open_dir(root.path / tmp, root) as dir_fd:
+        listing = {name: write_tensors(tensors, root.path / tmp / name, dir_fd) for name, tensors in files.items()}
+        meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
+        meta["meta_sha256"] = meta_digest(meta)
+        write_new(root.path / tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"), dir_fd)
+        os.fsync(dir_fd)
+    path = root.commit(tmp, final)
+    root.prune(keep_last)
+    return path
 
 
 def step_of(ckpt: Path) -> int:
@@ -178,15 +382,24 @@ def had_checkpoints(ckpt_root: Path) -> bool:
     return bool(step_dirs(ckpt_root)) or (ckpt_root.is_dir() and any(ckpt_root.glob("corrupt-step_*")))
 
 
-def set_aside(path: Path) -> Path:
+def set_aside(path: Path, dir_fd: int | None = None) -> Path:
     """Rename a damaged checkpoint corrupt-step_... (corrupt-step_...-2, ... if taken): never deleted,
-    and neither listed nor counted by keep_last again."""
+    and neither listed nor counted by keep_last again. With `dir_fd`, `path` is a name in that open
+    directory."""
+
+    def taken(p: Path) -> bool:
+        try:
+            os.lstat(p, dir_fd=dir_fd)
+        except FileNotFoundError:
+            return False
+        return True
+
     target = path.with_name(f"corrupt-{path.name}")
     n = 1
-    while target.exists():
+    while taken(target):
         n += 1
         target = path.with_name(f"corrupt-{path.name}-{n}")
-    os.rename(path, target)
+    os.rename(path, target, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     return target
 
 
@@ -334,11 +547,12 @@ def latest_good(
 
 
 def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None = None) -> tuple[Path, dict]:
-    """(checkpoint directory, its verified meta.json) from a checkpoint directory itself, or the newest
-    good one of a run directory or checkpoints folder."""
+    """(checkpoint directory, its verified meta.json) from a checkpoint directory itself (a `step_N`
+    directory is one, whatever it lacks: that is named), or the newest good one of a run directory or
+    checkpoints folder."""
     path = Path(path)
-    if is_checkpoint_dir(path):
-        return path, verify(path)
+    if is_checkpoint_dir(path) or (is_step_dir(path) and path.is_dir()):
+        return path, verify_step(path)
     for root in (path / "checkpoints", path):
         if step_dirs(root):
             found = latest_good(root, on_skip)

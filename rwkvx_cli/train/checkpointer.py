@@ -59,7 +59,10 @@ class CheckpointManager:
     its own rows. `before_save()` runs first: the trainer fsyncs its metrics there, so that a
     checkpoint on disk never lacks the metric lines up to it. `guard()` runs on rank 0 before
     anything is written and raises when the run directory is no longer this process's
-    (runs/lock.py)."""
+    (runs/lock.py); it may return the locked directory's (st_dev, st_ino). Rank 0 writes into the
+    checkpoints folder it opened at its first save (store.Root), which must be in that directory and
+    still at its path for the whole save: a run directory moved or replaced meanwhile receives
+    nothing. A checkpoints folder that is a symbolic link is refused when the manager is made."""
 
     def __init__(
         self,
@@ -83,6 +86,8 @@ class CheckpointManager:
         self.writer: Writer | None = None  # the save in flight (or finished, its outcome not yet taken)
         self.committed: list[int] = []  # steps of checkpoints written since the loop last took them
         self._group = None  # the writer thread's process group (created with the first background save)
+        store.check_root(self.root)  # on every rank, before anything is read or written
+        self._held: store.Root | None = None  # rank 0's checkpoints folder, open from its first save on
 
     # -- saving ------------------------------------------------------------------------------------
     def maybe_save(self, step: int, last_step: int, carry: Carry, force: bool = False, **counters) -> bool:
@@ -151,10 +156,13 @@ class CheckpointManager:
             )
             group = self._writer_group() if background else None
 
+            place = self._held if self.dist.is_main else root
+
             def write() -> Path | None:
-                return sharded.write_sharded(root, step, staged, meta, keep_last, carry_tensors or None, group)
+                return sharded.write_sharded(place, step, staged, meta, keep_last, carry_tensors or None, group)
 
         else:
+            held = self._held
             weights, optim_state = distributed.full_state(self.model, self.optimizer)
             if staging is not None and not distributed.sharded(self.model):  # the live tensors
                 weights = staging.tree(weights, ("model",))
@@ -163,7 +171,7 @@ class CheckpointManager:
             def write() -> Path | None:
                 if not self.dist.is_main:
                     return None
-                return store.save_checkpoint(root, step, weights, optim_state, meta, keep_last, carry_tensors)
+                return store.save_checkpoint(held, step, weights, optim_state, meta, keep_last, carry_tensors)
 
         if staging is not None:
             staging.finish()
@@ -171,11 +179,15 @@ class CheckpointManager:
 
     def _check_guard(self, step: int) -> None:
         """The guard on rank 0, its outcome agreed by every rank: a run directory no longer ours stops
-        every rank rather than leaving the others waiting in the save."""
+        every rank rather than leaving the others waiting in the save. Rank 0 opens the checkpoints
+        folder at its first save, and checks that the one it holds is in the locked run directory."""
 
         def check() -> None:
-            if self.dist.is_main and self.guard is not None:
-                self.guard()  # the run directory is still the one this process holds
+            if self.dist.is_main:
+                locked = self.guard() if self.guard is not None else None  # the run directory is still ours
+                if self._held is None:
+                    self._held = store.Root.open(self.root)
+                self._held.check(locked)
 
         sharded.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
 

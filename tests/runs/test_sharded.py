@@ -154,31 +154,33 @@ def _write_job(rank: int, world: int, tmp: Path) -> None:
     sharded.save_sharded(tmp / "plain2", STEP, plain, plain_opt, META, keep_last=5)
 
     # Rank 1 fails half way through its file: every rank stops with one line, nothing is committed.
-    real = sharded.write_safetensors
+    from rwkvx_cli.runs.formats import write  # every checkpoint file of tensors (store.write_tensors)
 
-    def half_then_full_disk(source, path, names, metadata, digest=None):
-        real(source, path, names[: len(names) // 2], metadata, digest)
+    real = write.write_safetensors
+
+    def half_then_full_disk(source, path, names, metadata, digest=None, dir_fd=None):
+        real(source, path, names[: len(names) // 2], metadata, digest, dir_fd)
         raise OSError(errno.ENOSPC, "No space left on device", str(path))
 
     if rank == 1:
-        sharded.write_safetensors = half_then_full_disk
+        write.write_safetensors = half_then_full_disk
     try:
         sharded.save_sharded(tmp / "sharded", 3, model, opt, META, keep_last=5)
         out["fail"] = None
     except CheckpointError as e:
         out["fail"] = str(e)
-    sharded.write_safetensors = real
+    write.write_safetensors = real
     root = tmp / "sharded"
     out["after_fail"] = sorted(p.name for p in root.iterdir())
 
     # Rank 1 dies half way through its file (as kill -9 would): rank 0's collective fails, and the
     # directory left is a temporary one without meta.json.
-    def half_then_die(source, path, names, metadata):
-        real(source, path, names[: len(names) // 2], metadata)
+    def half_then_die(source, path, names, metadata, digest=None, dir_fd=None):
+        real(source, path, names[: len(names) // 2], metadata, digest, dir_fd)
         os._exit(0)
 
     if rank == 1:
-        sharded.write_safetensors = half_then_die
+        write.write_safetensors = half_then_die
     try:
         sharded.save_sharded(tmp / "sharded", 4, model, opt, META, keep_last=5)
         out["died"] = None
@@ -512,3 +514,16 @@ def test_chunk_rows_is_torch_chunk():
             got = [sharded.chunk_rows(n, parts, r) for r in range(parts)]
             want = [(int(c[0]), int(c[-1]) + 1) for c in chunks]
             assert [g for g in got if g[1] > g[0]] == want
+
+
+def test_a_checkpoint_given_directly_names_what_it_lacks(written, tmp_path):
+    """`eval --checkpoint RUN/checkpoints/step_N` of a damaged one names the missing file, not "no checkpoint"."""
+    tmp, _ = written
+    ckpt = tmp_path / "checkpoints" / f"step_{STEP:08d}"
+    shutil.copytree(ckpt_of(tmp), ckpt)
+    (ckpt / "index.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"^{ckpt / 'index.json'} is missing$"):
+        store.resolve_checkpoint(ckpt)
+    (ckpt / "meta.json").unlink()
+    with pytest.raises(CheckpointError, match=rf"^{ckpt / 'meta.json'} is missing$"):
+        store.resolve_checkpoint(ckpt)

@@ -145,17 +145,17 @@ def test_a_stop_request_and_the_end_wait_for_the_write(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_failed_background_write_stops_the_run_in_one_line(tmp_path, corpus, monkeypatch, fmt):
+    from rwkvx_cli.runs.formats import write
+
     run = tmp_path / "run"
-    target = sharded if fmt == "sharded" else store
-    name = "write_safetensors" if fmt == "sharded" else "save_file"
-    original = getattr(target, name)
+    original = write.write_safetensors  # every checkpoint file of tensors, in either format (store.write_tensors)
 
     def fail_at_step_8(tensors, path, *args, **kwargs):
         if "step_00000008" in str(path):
             raise OSError(errno.ENOSPC, "No space left on device", str(path))
         return original(tensors, path, *args, **kwargs)
 
-    monkeypatch.setattr(target, name, fail_at_step_8)
+    monkeypatch.setattr(write, "write_safetensors", fail_at_step_8)
     result = runner.invoke(app, ["train", *tiny_args(run, corpus, *settings(fmt, True))])
     assert result.exit_code == 1 and "Traceback" not in result.output, result.output
     errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]

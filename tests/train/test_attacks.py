@@ -372,3 +372,135 @@ def test_an_os_error_is_one_plain_line(trained, tmp_path, monkeypatch):
     monkeypatch.setattr("rwkvx_cli.runs.export.export_checkpoint", full)
     line = one_line_error(invoke("export", "--checkpoint", trained, "--out", tmp_path / "m.pth"), 1)
     assert line == f"error: {tmp_path / 'm.pth'}: No space left on device"  # no markup shown literally
+
+
+# -- 13. checkpoint writes: no planted link followed, nothing written into a replaced run (issue 44) ----
+VARIANTS = {
+    "full": ("train.checkpoint_format=full", "train.async_checkpoint=false"),
+    "full-async": ("train.checkpoint_format=full", "train.async_checkpoint=true"),
+    "sharded": ("train.checkpoint_format=sharded", "train.async_checkpoint=false"),
+    "sharded-async": ("train.checkpoint_format=sharded", "train.async_checkpoint=true"),
+}
+# Every file either format writes into .tmp-step_N (extra.safetensors: the TBPTT carry).
+CHECKPOINT_FILES = (
+    "model.safetensors", "optimizer.safetensors", "extra.safetensors", "meta.json", "index.json",
+    "shard-00000-of-00001.safetensors",
+)
+
+
+def _when_temp_dir_made(monkeypatch, step, action):
+    """Run `action()` right after the save of `step` made its `.tmp-step_N` (by path or relative to a
+    directory descriptor), before any file is written into it."""
+    original = os.mkdir
+
+    def mkdir(path, *args, **kwargs):
+        original(path, *args, **kwargs)
+        if os.path.basename(os.fsdecode(path)) == f".tmp-step_{step:08d}":
+            action()
+
+    monkeypatch.setattr(os, "mkdir", mkdir)
+
+
+def _error_line(result) -> str:
+    assert result.exit_code == 1 and "Traceback" not in result.output, result.output
+    errors = [ln for ln in result.output.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and result.output.rstrip().endswith(errors[0]), result.output
+    return errors[0]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_links_planted_in_a_checkpoint_temp_dir_are_never_written_through(tmp_path, corpus, monkeypatch, variant):
+    run = tmp_path / "run"
+
+    def plant():
+        for name in CHECKPOINT_FILES:
+            victim = tmp_path / f"victim-{name}"
+            victim.write_text("precious\n")
+            (run / "checkpoints" / ".tmp-step_00000004" / name).symlink_to(victim)
+
+    _when_temp_dir_made(monkeypatch, 4, plant)
+    result = invoke("train", *tiny_args(run, corpus, *SHORT, "train.tbptt=true", *VARIANTS[variant]))
+    victims = sorted(tmp_path.glob("victim-*"))
+    assert len(victims) == len(CHECKPOINT_FILES)
+    assert all(v.read_text() == "precious\n" for v in victims)
+    assert result.exit_code == 0, result.output
+    ckpt = run / "checkpoints" / "step_00000004"
+    written = [*store.verify(ckpt)["files"], "meta.json"]  # a planted name the format does not write stays, unread
+    assert len(written) >= 4 and not any((ckpt / name).is_symlink() for name in written)
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_link_planted_at_a_checkpoint_temp_dir_is_removed_never_followed(trained, tmp_path, fmt):
+    from tests.train.helpers import rollback_to
+
+    run = tmp_path / "run"
+    shutil.copytree(trained, run)
+    rollback_to(run, 2)
+    victim = tmp_path / "victim"
+    victim.mkdir()
+    (victim / "keep.txt").write_text("precious\n")
+    planted = run / "checkpoints" / ".tmp-step_00000004"
+    planted.symlink_to(victim, target_is_directory=True)
+    result = invoke("train", "--config", run / "config.yaml", "--resume", f"run_dir={run}",
+                    f"train.checkpoint_format={fmt}")
+    assert result.exit_code == 0, result.output
+    assert os.listdir(victim) == ["keep.txt"] and (victim / "keep.txt").read_text() == "precious\n"
+    assert not os.path.lexists(planted)
+    assert store.verify(run / "checkpoints" / "step_00000004")["step"] == 4
+
+
+def _replace_run(run, moved):
+    os.rename(run, moved)
+    run.mkdir()
+    (run / "notes.txt").write_text("the user's own file\n")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("moment", ["after the guard", "mid-save"])
+def test_a_run_directory_replaced_during_a_checkpoint_receives_nothing(tmp_path, corpus, monkeypatch, variant, moment):
+    """The run directory is moved away and a user's new one put at its path, deterministically: right
+    after the guard passed (before the save made anything), or once the save made its `.tmp-step_N`.
+    The save stops in one line; the new directory holds only the user's file; the moved one its earlier
+    checkpoint and no partial `.tmp-step_N`."""
+    from rwkvx_cli.train.checkpointer import CheckpointManager
+
+    run, moved = tmp_path / "run", tmp_path / "moved"
+    if moment == "after the guard":
+        original = CheckpointManager._check_guard
+
+        def check_then_replace(self, step):
+            original(self, step)
+            if step == 4:
+                _replace_run(run, moved)
+
+        monkeypatch.setattr(CheckpointManager, "_check_guard", check_then_replace)
+    else:
+        _when_temp_dir_made(monkeypatch, 4, lambda: _replace_run(run, moved))
+    result = invoke("train", *tiny_args(run, corpus, *SHORT, "train.tbptt=true", *VARIANTS[variant]))
+    line = _error_line(result)
+    assert "cannot write the checkpoint of step 4" in line and "moved, deleted or replaced" in line, line
+    assert os.listdir(run) == ["notes.txt"]
+    assert sorted(os.listdir(moved / "checkpoints")) == ["step_00000002"]
+    assert store.verify(moved / "checkpoints" / "step_00000002")["step"] == 2
+
+
+def test_a_symlinked_checkpoints_folder_is_refused_in_one_line(trained, tmp_path, corpus):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    (elsewhere / "mine.txt").write_text("the user's own file\n")
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / ".rwkvx-run").write_text("")
+    (run / "checkpoints").symlink_to(elsewhere, target_is_directory=True)
+    line = _error_line(invoke("train", *tiny_args(run, corpus, *SHORT)))
+    assert f"{run / 'checkpoints'} is a symbolic link" in line, line
+    assert os.listdir(elsewhere) == ["mine.txt"]
+    resumed = tmp_path / "resumed"  # a run whose checkpoints were moved elsewhere and linked
+    shutil.copytree(trained, resumed)
+    shutil.move(resumed / "checkpoints", tmp_path / "kept")
+    (resumed / "checkpoints").symlink_to(tmp_path / "kept", target_is_directory=True)
+    before = sorted(os.listdir(tmp_path / "kept"))
+    result = invoke("train", "--config", resumed / "config.yaml", "--resume", f"run_dir={resumed}",
+                    "train.tokens=768")
+    assert f"{resumed / 'checkpoints'} is a symbolic link" in _error_line(result)
+    assert sorted(os.listdir(tmp_path / "kept")) == before

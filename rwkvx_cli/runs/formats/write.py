@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.fsio import check_output, check_place, create_temp, fsync_dir, fsync_path
+from rwkvx_cli.fsio import check_output, check_place, create_new, create_temp, fsync_dir, fsync_file, fsync_path
 from rwkvx_cli.runs.formats.errors import FormatError, OutputExistsError
 from rwkvx_cli.runs.formats.tensors import HF_INDEX, ST_NAMES, TensorSource
 
@@ -63,11 +63,12 @@ def _header(source: TensorSource, names: list[str], metadata: dict[str, str]) ->
 
 
 def write_safetensors(
-    source: TensorSource, path: Path, names: list[str], metadata: dict[str, str], digest=None
+    source: TensorSource, path: Path, names: list[str], metadata: dict[str, str], digest=None, dir_fd=None
 ) -> int:
-    """Write `names` of `source` to one .safetensors file; returns the data bytes written. `digest`: a
-    hashlib object fed every byte of the file as it is written (a checkpoint's SHA-256 without
-    reading the file back)."""
+    """Write `names` of `source` to one new .safetensors file (fsio.create_new: a link planted at `path`
+    is replaced, never followed; with `dir_fd`, made in that open directory, `path`'s parent) and fsync
+    it; returns the data bytes written. `digest`: a hashlib object fed every byte of the file as it is
+    written (a checkpoint's SHA-256 without reading the file back)."""
     header = _header(source, names, metadata)
     total = 0
 
@@ -76,7 +77,7 @@ def write_safetensors(
         if digest is not None:
             digest.update(data)
 
-    with open(path, "wb") as f:
+    with create_new(path, dir_fd) as f:
         put(len(header).to_bytes(8, "little"))
         put(header)
         for name in names:
@@ -84,12 +85,12 @@ def write_safetensors(
             want = source.nbytes(name)
             if tuple(t.shape) != tuple(source.shape(name)) or t.dtype != source.dtype(name):
                 raise FormatError(f"{name}: the source gave {t.dtype} {list(t.shape)}, not what it announced")
-            if want:
-                put(t.contiguous().reshape(-1).view(torch.uint8).numpy().data)
+            if want:  # copied to the CPU (a checkpoint's tensors may be on the GPU) one tensor at a time
+                put(t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().data)
             total += want
             del t
             source.release(name)
-    fsync_path(path)
+        fsync_file(f)
     return total
 
 
@@ -115,9 +116,9 @@ def write_shards(
 
 
 def write_json(path: Path, obj: dict) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(obj, indent=2, sort_keys=True) + "\n")
-    fsync_path(path)
+    with create_new(path) as f:
+        f.write((json.dumps(obj, indent=2, sort_keys=True) + "\n").encode("utf-8"))
+        fsync_file(f)
 
 
 def check_out_dir(out: Path, force: bool, marker: str = "config.json") -> None:
