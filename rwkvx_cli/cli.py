@@ -85,7 +85,9 @@ def init(
 
     cfg = load_config(config, overrides or [])
     cfg.run_dir, cfg.train.init_from = str(out_dir or cfg.run_dir), str(start or cfg.train.init_from)
-    summary = init_run(cfg, data_progress=data_progress, on_prepared=lambda stats: out.print(prepared_line(stats)))
+    summary = init_run(
+        cfg, data_progress=data_progress, on_prepared=lambda s: out.print(prepared_line(s)), on_skip=warn_skipped
+    )
     print_summary(summary, Path(cfg.run_dir))
 
 

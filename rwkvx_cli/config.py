@@ -65,6 +65,14 @@ PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
 # RWKV-LM's ln_x (GroupNorm) eps: model.ln_x_eps's default.
 LN_X_EPS = 64e-5
 
+# The smallest model.head_size of the blocks that need more than the kernels' 1 (every kind runs at
+# N = 1), and why; tested at the floor in tests/test_config.py. A group norm over one channel per head
+# outputs its bias whatever the input.
+MIN_HEAD_SIZE = {
+    "rwkv7 blocks": (2, "their init spreads a head's channels over (N - 1) / 2, and ln_x normalises each head"),
+    "rwkv8 blocks with model.rwkv8_shared_value false": (2, "ln_x normalises each value head"),
+}
+
 
 @dataclass
 class ModelConfig:
@@ -306,14 +314,42 @@ class Config:
             (MIN_BPE_VOCAB <= d.bpe_vocab_size <= MAX_VOCAB, "data.bpe_vocab_size",
              f"must be from {MIN_BPE_VOCAB} to {MAX_VOCAB:,}"),
             (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
+            *self._vocabulary_checks(written),
             (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
             (t.chunk_len >= 0, "train.chunk_len", "must be >= 0 (0: off)"),
         ]
         for ok, name, why in checks:
             if not ok:
                 raise ConfigError(f"{name}: {why}")
+        self._validate_head_size()
         self._validate_logging()
         self._validate_sources(written)
+
+    def _vocabulary_checks(self, written: Collection[str]) -> list[tuple[bool, str, str]]:
+        """data.eod_id against the vocabulary it is resolved with: an id of the model's vocabulary, and
+        0 for a named tokenizer (as `data prepare --eod-id` refuses another). A vocabulary that
+        train.init_from's weights will give (model.vocab_size not written) is checked when they have
+        given it (runs/initial.py validates again)."""
+        m, d = self.model, self.data
+        known = not self.train.init_from or "model.vocab_size" in written
+        named = d.tokenizer in TOKENIZER_NAMES
+        return [
+            (not known or d.eod_id < m.vocab_size, "data.eod_id",
+             f"{d.eod_id} is outside the vocabulary: must be below model.vocab_size ({m.vocab_size:,})"),
+            (not named or d.eod_id == 0, "data.eod_id",
+             f"the {d.tokenizer} tokenizer's end-of-document id is 0, not {d.eod_id} (data.eod_id is for a "
+             "tokenizer.json)"),
+        ]  # fmt: skip
+
+    def _validate_head_size(self) -> None:
+        m = self.model
+        kinds = set(m.layers) if m.layers else {"rwkv7"}  # RWKV-X's rule stacks RWKV-7 blocks (and MoBA)
+        blocks = {f"{k} blocks" for k in kinds}
+        if "rwkv8" in kinds and not m.rwkv8_shared_value:
+            blocks.add("rwkv8 blocks with model.rwkv8_shared_value false")
+        for what, (floor, why) in MIN_HEAD_SIZE.items():
+            if what in blocks and m.head_size < floor:
+                raise ConfigError(f"model.head_size: {m.head_size} is below the {floor} that {what} need ({why})")
 
     def _validate_logging(self) -> None:
         t = self.train

@@ -144,7 +144,11 @@ def atomic_write_bytes(path: str | os.PathLike, data: bytes) -> None:
         with names_file(path), f:
             f.write(data)
             fsync_file(f)
-        os.replace(tmp, path)  # replaces a link at `path` itself, never its target
+        try:
+            os.replace(tmp, path)  # replaces a link at `path` itself, never its target
+        except OSError as e:  # (a directory there): the file being written, not the temporary name no one gave
+            e.filename, e.filename2 = str(path), None
+            raise
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

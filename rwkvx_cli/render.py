@@ -234,7 +234,7 @@ def render_eval(ev: dict, as_json: bool) -> None:
         out.print_json(json.dumps(ev))
         return
     out.print(
-        f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {ev['bpb']:.4f} "
+        f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {fmt_bpb(ev['bpb'], 4)} "
         f"over {ev['tokens']:,} tokens ({ev['tokens_per_s']:,.0f} tokens/s)"
         + (", documents reset at each end-of-document token" if ev.get("reset_at_eod") else "")
     )
@@ -508,9 +508,17 @@ def fmt_mfu(m) -> str:
     return "–" if mfu is None or mfu != mfu else f"{mfu:.1f}%"
 
 
+NO_BPB = "not defined (the tokens predicted decode to no bytes)"
+
+
+def fmt_bpb(bpb: float | None, digits: int, missing: str = NO_BPB) -> str:
+    """Bits per byte, or `missing` where the validation figures have none (evaluation/validation.py)."""
+    return missing if bpb is None else f"{bpb:.{digits}f}"
+
+
 def progress_line(m, total_steps: int) -> str:
     """One plain line of training progress (no terminal: log files, pipes, batch jobs)."""
-    val = f" · val loss {m.val_loss:.4f} ({m.val_bpb:.3f} bpb)" if m.val_loss is not None else ""
+    val = f" · val loss {m.val_loss:.4f} ({fmt_bpb(m.val_bpb, 3, '–')} bpb)" if m.val_loss is not None else ""
     return (
         f"step {m.step}/{total_steps} · loss {m.loss:.4f}{val} · lr {m.lr:.2e} · grad norm {m.grad_norm:.3f} · "
         f"{m.tokens_per_s:,.0f} tokens/s · MFU {fmt_mfu(m)} · ETA {fmt_duration(eta_seconds(m, total_steps))} · "
@@ -541,7 +549,7 @@ class TrainView:
         m = self.m
         rate = m.tokens_per_s
         eta = eta_seconds(m, self.total)
-        val = f"{self.val[0]:.4f} ({self.val[1]:.3f} bpb)" if self.val else "–"
+        val = f"{self.val[0]:.4f} ({fmt_bpb(self.val[1], 3, '–')} bpb)" if self.val else "–"
         bar = ProgressBar(total=self.total, completed=m.step, width=40)
         table.add_row(bar, f"step {m.step}/{self.total}", "epoch", f"{m.epoch}")
         table.add_row("loss (ema)", f"{self.ema:.4f}", "val loss", val)
@@ -582,6 +590,12 @@ class TrainConsole:
         elif kind == "changed":
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in payload.items())
             warning(f"continuing with changed settings (--allow-change): {changed}; not an exact resume")
+        elif kind == "init_only":
+            given = ", ".join(f"{k} {new!r} (kept: {old!r})" for k, (old, new) in payload.items())
+            warning(
+                f"{given}: settings of a run's start, which a resumed run does not use; config.yaml and the "
+                "checkpoints keep what the run was initialised with"
+            )
         elif kind == "start":
             self._start(payload)
         elif kind == "profile":
@@ -626,7 +640,7 @@ class TrainConsole:
         ev = result.val
         skipped = f", {result.skipped_steps} non-finite steps skipped" if result.skipped_steps else ""
         out.print(
-            f"[bold]done[/]: step {result.step}, val loss {ev['loss']:.4f}, val bits/byte {ev['bpb']:.4f}, "
+            f"[bold]done[/]: step {result.step}, val loss {ev['loss']:.4f}, val bits/byte {fmt_bpb(ev['bpb'], 4)}, "
             f"{result.last.tokens_per_s:,.0f} tokens/s{skipped}"
         )
         out.print("[dim]sample:[/]")

@@ -252,3 +252,81 @@ def test_every_numeric_field_refuses_what_is_outside_its_range():
             load_config(None, [f"train.betas=[0.9, {value}]"])
     with pytest.raises(ConfigError, match=r"^data\.mix\[0\]\.weight: must be >= 0"):
         load_config(None, ["data.mix=[{path: d, weight: -1}]"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["data.eod_id=257"], "data.eod_id: 257 is outside the vocabulary: must be below model.vocab_size (257)"),
+        (["data.eod_id=70000"], "data.eod_id: 70000 is outside the vocabulary"),
+        (["data.tokenizer=t.json", "model.vocab_size=1000", "data.eod_id=1000"], "below model.vocab_size (1,000)"),
+        (["data.eod_id=5"], "data.eod_id: the byte tokenizer's end-of-document id is 0, not 5"),
+        (["data.tokenizer=world", "model.vocab_size=65536", "data.eod_id=3"], "the world tokenizer's end-of-document"),
+        (["data.tokenizer=bpe", "data.eod_id=1"], "the bpe tokenizer's end-of-document id is 0, not 1"),
+    ],
+)
+def test_an_end_of_document_id_the_run_cannot_use_is_refused(overrides, message):
+    """data.eod_id is checked against the vocabulary it is resolved with, as `data prepare --eod-id` refuses
+    one for a named tokenizer: never an IndexError in a step (bench) nor a value training ignores."""
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith("data.eod_id: ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_an_end_of_document_id_is_checked_once_the_vocabulary_is_known():
+    cfg = load_config(None, ["data.tokenizer=t.json", "model.vocab_size=1000", "data.eod_id=999"])
+    assert cfg.data.eod_id == 999
+    # train.init_from gives the vocabulary: the id waits for it, then the same rule holds (train/runner.py
+    # validates again with the vocabulary the weights gave, as written).
+    cfg = load_config(None, ["data.tokenizer=t.json", "train.init_from=w.pth", "data.eod_id=50000"])
+    given = cfg.written | {"model.vocab_size"}
+    cfg.model.vocab_size = 65536
+    cfg.validate(given)
+    cfg.model.vocab_size = 50000
+    with pytest.raises(ConfigError, match=r"^data\.eod_id: 50000 is outside the vocabulary"):
+        cfg.validate(given)
+    with pytest.raises(ConfigError, match="outside the vocabulary"):  # a vocabulary the config writes is known
+        load_config(None, ["data.tokenizer=t.json", "train.init_from=w.pth", "model.vocab_size=300", "data.eod_id=300"])
+
+
+@pytest.mark.parametrize(
+    "overrides,message",
+    [
+        (["model.head_size=1", "model.n_embd=8"], "model.head_size: 1 is below the 2 that rwkv7 blocks need"),
+        (["model.head_size=1", "model.n_embd=8", "model.layers=[gdn, moba, rwkv7]"], "2 that rwkv7 blocks need"),
+        (["model.head_size=1", "model.n_embd=8", "model.layers=[rwkv8]", "model.rwkv8_shared_value=false"],
+         "2 that rwkv8 blocks with model.rwkv8_shared_value false need"),
+    ],
+)
+def test_a_head_size_below_what_a_layer_kind_supports_is_refused(overrides, message):
+    with pytest.raises(ConfigError) as e:
+        load_config(None, overrides)
+    assert str(e.value).startswith("model.head_size: 1 ") and message in str(e.value) and "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("kind", ["rwkv7", "rwkv4", "gdn", "kda", "rwkv8", "rwkv8-own-values", "moba"])
+def test_the_smallest_head_size_each_layer_kind_accepts_builds_a_finite_model_and_step(kind):
+    """The config's floor (config.MIN_HEAD_SIZE) is what the init and the kernels support: at it every
+    parameter is finite, and so are a step's loss and gradients; below it the config refuses."""
+    import torch
+
+    from rwkvx_cli.models import build_model
+
+    layers = {"moba": ["rwkv4", "moba"], "rwkv8-own-values": ["rwkv8"]}.get(kind, [kind])
+    base = [f"model.layers=[{', '.join(layers)}]", f"model.rwkv8_shared_value={kind != 'rwkv8-own-values'}"]
+    sizes = []
+    for n in (1, 2, 3):
+        try:
+            cfg = load_config(None, [*base, f"model.head_size={n}", f"model.n_embd={4 * n}", "model.vocab_size=32"])
+        except ConfigError:
+            continue
+        sizes.append(n)
+        model = build_model(cfg.model, 0)
+        assert all(torch.isfinite(p).all() for p in model.parameters()), (kind, n)
+        x = torch.randint(0, 32, (2, 17), generator=torch.Generator().manual_seed(0))
+        loss, _ = model.loss(x[:, :-1], x[:, 1:])
+        loss.backward()
+        assert torch.isfinite(loss), (kind, n)
+        assert all(torch.isfinite(p.grad).all() for p in model.parameters() if p.grad is not None), (kind, n)
+    # The floor: 2 where a head's group norm or RWKV-7's init needs two channels, else 1.
+    assert sizes == ([2, 3] if kind in ("rwkv7", "rwkv8-own-values") else [1, 2, 3])

@@ -35,6 +35,7 @@ from rwkvx_cli.models.losses import chunk_rows
 from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
 from rwkvx_cli.runs.layout import tokenizer_path
+from rwkvx_cli.runs.opening import run_dir_named
 
 MAX_LEN = 65_536  # --by-position's default longest position, where the split holds that much
 READ_CHUNK = 4096  # tokens per forward when reading a long sequence (the state carried between)
@@ -358,8 +359,10 @@ def run_long_context(
 ) -> dict:
     """`rwkvx eval --by-position` or `--passkey`, its options checked (`others`: the eval options
     that do not go with them, by flag, None when not given). Returns the figures, with "kind"
-    ("by_position" or "passkey") and "plot", where the picture goes (default: in the run directory;
-    an existing --plot file only with `force`). `on_progress`: see eval_by_position and eval_passkey."""
+    ("by_position" or "passkey") and "plot", where the picture goes: `plot`, by default
+    by-position.png / passkey.png in the checkpoint's run directory (a checkpoint outside one needs
+    `plot`); either checked as every output file is (fsio.check_output: an existing file only with
+    `force`), before the model is read. `on_progress`: see eval_by_position and eval_passkey."""
     if by_position and passkey is not None:
         raise UsageError("--by-position and --passkey do not go together; run them separately")
     kind = "by_position" if by_position else "passkey" if passkey is not None else None
@@ -372,8 +375,18 @@ def run_long_context(
     for flag, value in others.items():
         if value is not None:
             raise UsageError(f"{flag} and --{kind.replace('_', '-')} do not go together; run them separately")
+    if passkey is not None:
+        parse_lengths(passkey)  # the options' own errors first
+    flag = "--plot"
+    if plot is None and Path(checkpoint).exists():  # (nothing there: the loader below says so)
+        run_dir = run_dir_named(checkpoint)
+        if run_dir is None:
+            raise UsageError(
+                f"--checkpoint {checkpoint} is not in a run directory: name the picture's file with --plot"
+            )
+        plot, flag = run_dir / ("by-position.png" if kind == "by_position" else "passkey.png"), "the default --plot"
     if plot is not None:
-        check_output(plot, force, "--plot")  # before the model is read (fsio: the guard of every output file)
+        check_output(plot, force, flag)  # before the model is read (fsio: the guard of every output file)
     if kind == "by_position":
         result = eval_by_position(
             checkpoint,
@@ -389,6 +402,4 @@ def run_long_context(
             trials=trials or 4, seed=seed, reset_at_eod=reset_at_eod, on_skip=on_skip, on_progress=on_progress
         )
         result = eval_passkey(checkpoint, passkey, data_dir, **options)
-    run_dir = Path(result["runs"][0]["checkpoint"] if kind == "by_position" else result["checkpoint"]).parent.parent
-    name = "by-position.png" if kind == "by_position" else "passkey.png"
-    return {"kind": kind, **result, "plot": str(plot if plot is not None else run_dir / name)}
+    return {"kind": kind, **result, "plot": str(plot)}

@@ -35,7 +35,8 @@ def evaluate(
     reset_at_eod: bool = False,
 ) -> dict:
     """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
-    bits per byte over exactly the UTF-8 bytes of the tokens it predicted; the forward runs
+    bits per byte over exactly the UTF-8 bytes of the tokens it predicted (None where they decode to
+    no bytes: end-of-document tokens alone, a rate over nothing); the forward runs
     on `runtime`'s device under its precision, as training does. `on_progress("validation", done,
     total)` after each batch: the tokens predicted of those it will predict. `reset_at_eod`: each
     document starts from a zero state (data.reset_at_eod), as the run trained."""
@@ -78,7 +79,7 @@ def evaluate(
     return {
         "loss": loss,
         "ppl": math.exp(min(loss, 50.0)),
-        "bpb": total / math.log(2) / max(n_bytes, 1),
+        "bpb": total / math.log(2) / n_bytes if n_bytes else None,
         "tokens": count,
     }
 

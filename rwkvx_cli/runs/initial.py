@@ -8,6 +8,10 @@ for MoBA blocks the weights do not have is an upcycle, as RWKV-X's `init_moba_fr
 RWKV-7 blocks load in order and each MoBA block starts from the RWKV-7 block below it
 (runs/formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
 
+An rwkvx run directory (or checkpoints folder) is read at its newest good checkpoint, found once as
+`eval` and `export` find it (store.resolve_checkpoint: each damaged newer one told to `on_skip`),
+and the start names its step.
+
 Before anything of the run is written, the weights are checked: every file's fields by its reader
 (docs/formats.md#files-from-elsewhere-what-is-refused-what-is-accepted), their values in one pass
 (`check_values`), and the tokenizer they name against the run's (runs/start_tokenizer.py).
@@ -16,7 +20,9 @@ Before anything of the run is written, the weights are checked: every file's fie
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
@@ -34,7 +40,11 @@ from rwkvx_cli.runs.formats import (
 )
 from rwkvx_cli.runs.formats.errors import FormatError
 from rwkvx_cli.runs.formats.sizes import LORA_FIELDS, SIZE_KEYS
+from rwkvx_cli.runs.formats.tensors import from_store
 from rwkvx_cli.runs.start_tokenizer import check_start_tokenizer
+from rwkvx_cli.runs.store import resolve_checkpoint
+
+OnSkip = Callable[[Path, str], None]
 
 
 @dataclass
@@ -43,16 +53,30 @@ class Start:
     model: ModelConfig  # the run's model section, with the sizes the weights give
     sizes: Sizes  # what the tensors say
     plan: list[PlanRow] | None  # an upcycle's rows; None: the weights load as they are
+    checkpoint: Path | None = None  # the rwkvx checkpoint read, where `source` names a run (or one)
+    step: int | None = None  # its step
+
+    @property
+    def weights(self) -> str:
+        """Where the weights are read: the checkpoint found once, or `source` itself."""
+        return str(self.checkpoint) if self.checkpoint is not None else self.source
 
 
-def plan_start(cfg: Config) -> Start:
+def plan_start(cfg: Config, on_skip: OnSkip | None = None) -> Start:
     """The model `cfg.train.init_from`'s weights make with `cfg`'s settings, from their names and shapes,
-    after one pass over their values (`check_values`): refused here, nothing of the run is written yet."""
-    source, sizes = open_any(cfg.train.init_from)
-    check_start_tokenizer(cfg, sizes.notes)
+    after one pass over their values (`check_values`): refused here, nothing of the run is written yet.
+    `on_skip(path, reason)` hears of each damaged checkpoint of an rwkvx run passed over for an older one."""
+    path = Path(cfg.train.init_from)
+    checkpoint = step = None
+    if path.is_dir() and not (path / "config.json").is_file() and from_store(path):  # not HF: formats._open
+        checkpoint, meta = resolve_checkpoint(path, on_skip)
+        step = meta["step"]
+    weights = str(checkpoint) if checkpoint is not None else cfg.train.init_from
+    source, sizes = open_any(weights)
+    check_start_tokenizer(cfg, sizes.notes, Path(weights))
     with source:
         shapes = source.shapes()
-        check_values(source, str(cfg.train.init_from))
+        check_values(source, weights)
     written = {k.split(".", 1)[1] for k in cfg.written if k.startswith("model.")}
     kinds = layer_kinds(cfg.model)
     upcycle = "moba" in kinds and sizes.n_attn == 0  # MoBA blocks only the config asks for
@@ -66,7 +90,7 @@ def plan_start(cfg: Config) -> Start:
         with torch.device("meta"):
             target = LM(model).state_dict()
         plan = upcycle_plan(shapes, target)
-    return Start(cfg.train.init_from, model, sizes, plan)
+    return Start(cfg.train.init_from, model, sizes, plan, checkpoint, step)
 
 
 def check_values(source, where: str) -> None:
@@ -88,7 +112,7 @@ def check_values(source, where: str) -> None:
 def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tensor]:
     """The state dict `model` (built from `start.model`) starts with: the weights as they are, or an
     upcycle's loaded, copied and fresh tensors (the fresh ones `model`'s own init)."""
-    with open_source(start.source) as source:
+    with open_source(start.weights) as source:
         if start.plan is None:
             return materialize(source)
         needed = {r.source for r in start.plan if r.target is not None and r.source is not None}

@@ -4,6 +4,7 @@
     find_checkpoint(path)   the checkpoint a path names (a checkpoint directory, or a run directory or
                             checkpoints folder: its newest good one), its verified meta.json and config;
                             nothing large is read
+    run_dir_named(path)     the run directory that path is in (None: a checkpoint kept elsewhere), nothing read
     open_checkpoint(path)   that, plus the run's tokenizer, the Runtime (device and precision, resolved
                             once), and the model with its weights on the device, in eval mode
 
@@ -19,9 +20,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from rwkvx_cli.config import Config, ConfigError, config_from_dict
+from rwkvx_cli.fsio import RUN_MARKER
 from rwkvx_cli.models import LM
 from rwkvx_cli.runs import store
-from rwkvx_cli.runs.layout import run_dir_of
+from rwkvx_cli.runs.layout import checkpoints_dir, config_path, run_dir_of
 from rwkvx_cli.runs.memory import check_model
 from rwkvx_cli.runs.runtime import Runtime, resolve
 from rwkvx_cli.runs.tokenizers import run_tokenizer
@@ -72,6 +74,22 @@ def find_checkpoint(path: Path | str, on_skip: OnSkip | None = None) -> Checkpoi
     except ConfigError as e:  # the file's, not the command line's: a damaged (or forged) checkpoint, exit 1
         raise store.CheckpointError(f"{found / 'meta.json'}: its config is not valid: {e}") from None
     return Checkpoint(found, meta, config)
+
+
+def run_dir_named(path: Path | str) -> Path | None:
+    """The run directory a checkpoint path is in, from the names alone (nothing is verified): a
+    checkpoint's <run> (<run>/checkpoints/step_...), a checkpoints folder's parent, or the run directory
+    itself. None where that is no run directory (rwkvx's marker, or an older run's config.yaml beside
+    its checkpoints): a checkpoint kept outside one."""
+    path = Path(path)
+    if store.is_checkpoint_dir(path) or store.is_step_dir(path):  # a damaged step_*: the loader says why
+        run = run_dir_of(path)
+    elif not store.step_dirs(checkpoints_dir(path)) and store.step_dirs(path):
+        run = path.parent  # a checkpoints folder (store.resolve_checkpoint's order)
+    else:
+        run = path
+    older = config_path(run).is_file() and checkpoints_dir(run).is_dir()
+    return run if (run / RUN_MARKER).exists() or older else None
 
 
 def open_checkpoint(

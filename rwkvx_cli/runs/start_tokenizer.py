@@ -91,10 +91,11 @@ def run_tokenizer_identity(cfg: Config) -> str | None:
     return _file_identity(Path(name))
 
 
-def check_start_tokenizer(cfg: Config, notes: list[str]) -> None:
-    """Refuse weights whose tokenizer is not the run's (FormatError), or note that they name none."""
+def check_start_tokenizer(cfg: Config, notes: list[str], weights: Path | None = None) -> None:
+    """Refuse weights whose tokenizer is not the run's (FormatError), or note that they name none.
+    `weights`: where they are read (default train.init_from; runs/initial.py passes the checkpoint of a run)."""
     source = cfg.train.init_from
-    theirs, ours = source_tokenizer(Path(source)), run_tokenizer_identity(cfg)
+    theirs, ours = source_tokenizer(Path(weights or source)), run_tokenizer_identity(cfg)
     if theirs is None:
         notes.append(
             f"the weights name no tokenizer: their embedding rows are read as ids of this run's "

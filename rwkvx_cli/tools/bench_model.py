@@ -68,6 +68,13 @@ COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (wi
 # the resets does not depend on how many there are: every op rewrites or reads its flags whole).
 DOCUMENT_LEN = 64
 
+
+def document_len(ctx_len: int) -> int:
+    """The benched window's document length: DOCUMENT_LEN, or half a window no longer than that, so that
+    a document starts inside it (a start at position 0 changes nothing: every window begins from the
+    zero state)."""
+    return min(DOCUMENT_LEN, max(ctx_len // 2, 1))
+
 MATMUL_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::matmul", "aten::linear", "aten::baddbmm")
 # Names of the recurrence ops' autograd functions (_WKV7CPU, its backward node), torch ops
 # (rwkvx::wkv7_cpu_fwd) and op modules, not preceded by a letter: rwkv7_prep is not wkv7.
@@ -121,6 +128,10 @@ def bench_model(
         raise UsageError("--vs-unfused compares the fused blocks with the unfused ones: model.fused must be true")
     if vs_packed and not cfg.data.reset_at_eod:
         raise UsageError("--vs-packed compares document starts with plain packing: data.reset_at_eod must be true")
+    if vs_packed and tc.ctx_len < 2:
+        raise UsageError(
+            f"--vs-packed: train.ctx_len {tc.ctx_len} has no room for a document start after the window's first token"
+        )
     model = build_model(cfg.model, tc.seed).to(device)
     model.grad_checkpointing = tc.grad_cp
     runtime = rt.Runtime(device, rt.resolve_precision(tc.precision, device))
@@ -131,9 +142,9 @@ def bench_model(
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
-    starts = None
-    if cfg.data.reset_at_eod:  # a document every DOCUMENT_LEN tokens, each begun by its eod token
-        idx[:, ::DOCUMENT_LEN] = cfg.data.eod_id
+    starts, doc_len = None, document_len(T)
+    if cfg.data.reset_at_eod:  # a document every doc_len tokens, each begun by its eod token
+        idx[:, ::doc_len] = cfg.data.eod_id
         starts = document_starts(idx[:, :-1], cfg.data.eod_id)
 
     step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts)
@@ -242,7 +253,8 @@ def bench_model(
     if vs_packed:
         result["packed"] = {"tokens_per_s": B * T / packed_s, "step_ms": packed_s * 1e3, **packed_memory}
         result["reset_over_packed"] = step_s / packed_s
-        result["document_len"] = DOCUMENT_LEN
+        result["document_len"] = doc_len
+        result["document_starts"] = (T - 1) // doc_len  # per row, after position 0
     if vs_unchunked:
         result["unchunked"] = {"tokens_per_s": B * T / whole_s, "step_ms": whole_s * 1e3, **whole_memory}
         result["chunked_over_unchunked"] = step_s / whole_s

@@ -8,6 +8,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
     "prepared"  PrepareStats   rank 0 tokenized the corpus
     "resumed"   int            --resume: the step it continues from (0: no checkpoint yet)
     "changed"   dict           --resume --allow-change: {setting: (the checkpoint's value, this run's)}
+    "init_only" dict           --resume gave other INIT_ONLY settings: {setting: (the run's, kept; the one given)}
     "initial"   dict           train.init_from was loaded (start_report: its sizes, an upcycle's plan)
     "start"     TrainStart     the model is built and the loop is about to begin
     "step", "skipped"   StepMetrics   from the loop (train/loop.py)
@@ -84,13 +85,15 @@ def init_run(
     *,
     data_progress: DataProgress | None = None,
     on_prepared: Callable[[PrepareStats], None] | None = None,
+    on_skip: Callable[[Path, str], None] | None = None,
 ) -> dict:
     """Write a new run directory (config, tokenizer, prepared data, step-0 checkpoint) without
     training; returns the model summary. Refuses a directory that already holds checkpoints.
-    `cfg`'s paths are made absolute first (config.resolve_paths): the run works from any directory."""
+    `cfg`'s paths are made absolute first (config.resolve_paths): the run works from any directory.
+    `on_skip(path, reason)` hears of each damaged checkpoint of a train.init_from run passed over."""
     resolve_paths(cfg)
     run_dir = Path(cfg.run_dir)
-    start = _start_from(cfg)
+    start = _start_from(cfg, on_skip)
     check_model(cfg.model)
     check_training(cfg, rt.resolve(cfg.train.device, cfg.train.precision))  # what `train` would refuse
     with claim_run(cfg):
@@ -107,21 +110,23 @@ def init_run(
     return summary
 
 
-def _start_from(cfg: Config) -> Start | None:
+def _start_from(cfg: Config, on_skip: Callable[[Path, str], None] | None = None) -> Start | None:
     """train.init_from's plan, its sizes written into `cfg.model` (None without init_from)."""
     if not cfg.train.init_from:
         return None
-    start = plan_start(cfg)
+    start = plan_start(cfg, on_skip)
     cfg.model = start.model
-    cfg.validate(cfg.written)
+    cfg.validate(cfg.written | {"model.vocab_size"})  # the weights gave the vocabulary (data.eod_id's check)
     return start
 
 
 def start_report(start: Start) -> dict:
-    """What `rwkvx init` / `train` say about train.init_from: the sizes read and an upcycle's plan."""
+    """What `rwkvx init` / `train` say about train.init_from: where the weights are (a run's: the step of
+    the checkpoint read), the sizes read and an upcycle's plan."""
     plan = plan_summary(start.plan) if start.plan is not None else None
     return {
-        "source": start.source,
+        "source": start.source if start.step is None else f"{start.source}, step {start.step}",
+        "step": start.step,
         "layout": start.sizes.layout,
         "sizes": sizes_line(start.sizes),
         "notes": list(start.sizes.notes),
@@ -220,9 +225,11 @@ def _saved_config(run_dir: Path) -> Config | None:
     return None
 
 
-def _plan_start(cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_change) -> tuple[Start | None, dict]:
+def _plan_start(
+    cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_change, on_skip=None
+) -> tuple[Start | None, dict]:
     """The checks every rank makes before any file is written: (train.init_from's plan, the settings a
-    resume changes)."""
+    resume changes); `on_skip`: see plan_start."""
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     saved = _saved_config(run_dir) if resume else None
@@ -230,7 +237,7 @@ def _plan_start(cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_
     if cfg.train.init_from and saved is not None:
         cfg.model = sizes_from(saved.model, cfg)  # the sizes the weights gave when the run began
     elif cfg.train.init_from:
-        start = _start_from(cfg)
+        start = _start_from(cfg, on_skip)
     changes = resume_changes(saved, cfg, allow_change) if saved is not None else {}
     if dist.world_size > 1 and needs_preparing(cfg, run_dir):
         # Preparing here would leave the other ranks waiting until they time out on a large corpus.
@@ -241,12 +248,33 @@ def _plan_start(cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_
     return start, changes
 
 
+# Settings that decide only how a run starts (the init's key gain, the weights it starts from): a resume
+# may give other values (train/checkpointer.py's OPERATIONAL), which change nothing it computes, so the
+# run keeps the ones it started with, in config.yaml and every checkpoint, and says so.
+INIT_ONLY = ("model.ffn_key_gain", "train.init_from")
+
+
+def keep_init_settings(saved: Config | None, cfg: Config) -> dict[str, tuple]:
+    """{setting: (the run's value, the value given)} for each INIT_ONLY setting `cfg` gives otherwise than
+    the run's newest checkpoint (`saved`); `cfg` takes the run's value back. A setting the checkpoint does
+    not state (saved before it existed) takes the value given: the record had none to keep."""
+    kept = {}
+    for key in INIT_ONLY if saved is not None else ():
+        section, name = key.split(".")
+        old, new = getattr(getattr(saved, section), name), getattr(getattr(cfg, section), name)
+        if key in saved.written and old != new:
+            setattr(getattr(cfg, section), name, old)
+            kept[key] = (old, new)
+    return kept
+
+
 def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_progress, allow_change) -> TrainResult:
     emit = on_event or (lambda kind, payload: None)
     run_dir = Path(cfg.run_dir)
+    kept = keep_init_settings(_saved_config(run_dir), cfg) if resume else {}  # before anything reads cfg
 
     def first():  # every rank's checks, then rank 0 prepares the data and writes the run files
-        plan = _plan_start(cfg, resume, dist, run_dir, allow_change)
+        plan = _plan_start(cfg, resume, dist, run_dir, allow_change, on_skip)
         if not dist.is_main:
             return plan, None
         return plan, open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
@@ -273,6 +301,10 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
             note = {"event": "resume", "step": trainer.step, "changed": changes}
             distributed.agreed(lambda: trainer.metrics.note(note))
             emit("changed", changes)
+        if kept:
+            note = {"event": "resume", "step": trainer.step, "init_only": kept}
+            distributed.agreed(lambda: trainer.metrics.note(note))
+            emit("init_only", kept)
     if trainer.step == 0 and initial is not None:
         trainer.load_initial(initial, start.source)
         emit("initial", start_report(start))

@@ -213,6 +213,62 @@ def test_eval_passkey_through_the_cli(run):
     ],
 )
 def test_bad_long_context_options_are_one_line_exit_2(run, extra, message):
-    result = runner.invoke(app, ["eval", "--checkpoint", str(run), *extra])
+    # --force: the run may hold the default pictures of the tests above, which a plain eval refuses to replace
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), *extra, "--force"])
     assert result.exit_code == 2 and message in result.stderr, result.output
     assert len(result.stderr.strip().splitlines()) == 1
+
+
+def _copy_run(run, tmp_path):
+    import shutil
+
+    copy = tmp_path / "run"
+    shutil.copytree(run, copy)
+    return copy
+
+
+@pytest.mark.parametrize("mode,name", [(["--by-position", "--max-len", "64"], "by-position.png"),
+                                       (["--passkey", "128", "--trials", "1"], "passkey.png")])  # fmt: skip
+def test_the_default_plot_is_guarded_as_plot_is(run, tmp_path, mode, name):
+    """The picture's default place (in the run directory) goes through the output guard as --plot does: a
+    file there that rwkvx did not just write is refused without --force, before the model is read, and a
+    directory there is named (not a temporary file)."""
+    run = _copy_run(run, tmp_path)
+    mine = run / name
+    mine.write_bytes(b"a user's picture")
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), *mode])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == f"error: the default --plot {mine} already exists; pass --force to replace it"
+    assert mine.read_bytes() == b"a user's picture"
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), *mode, "--force"])
+    assert result.exit_code == 0, result.output
+    assert mine.read_bytes()[:4] == b"\x89PNG"
+    mine.unlink()
+    mine.mkdir()
+    result = runner.invoke(app, ["eval", "--checkpoint", str(run), *mode, "--force"])
+    assert result.exit_code == 2 and result.stderr.strip() == (
+        f"error: the default --plot {mine} is a directory; give a file name"
+    )
+    assert ".tmp" not in result.stderr and not any(mine.iterdir())
+
+
+def test_a_checkpoint_outside_a_run_directory_needs_plot(run, tmp_path):
+    """A checkpoint kept elsewhere has no run directory to hold its picture (two levels up is anyone's
+    directory): --plot names the file, and nothing is written two levels up."""
+    import shutil
+
+    ckpt = sorted((run / "checkpoints").glob("step_*"))[-1]
+    outside = tmp_path / "kept" / "ckpt"
+    outside.parent.mkdir()
+    shutil.copytree(ckpt, outside)
+    args = ["eval", "--checkpoint", str(outside), "--data", str(run / "data"), "--by-position", "--max-len", "64"]
+    result = runner.invoke(app, args)
+    assert result.exit_code == 2 and len(result.stderr.strip().splitlines()) == 1
+    assert f"{outside} is not in a run directory: name the picture's file with --plot" in result.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["kept"]
+    png = tmp_path / "bp.png"
+    result = runner.invoke(app, [*args, "--plot", str(png)])
+    assert result.exit_code == 0, result.output
+    assert png.read_bytes()[:4] == b"\x89PNG" and sorted(p.name for p in tmp_path.iterdir()) == ["bp.png", "kept"]
+    result = runner.invoke(app, ["eval", "--checkpoint", str(tmp_path / "nowhere"), "--by-position"])
+    assert result.exit_code == 1 and "no checkpoint found at" in result.stderr  # the loader's word, not --plot's

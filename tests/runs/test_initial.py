@@ -146,3 +146,58 @@ def test_an_hf_model_of_head_size_32_keeps_its_group_norm_eps_through_init_resum
     assert result.exit_code == 0, result.output
     stated = json.loads((tmp_path / "out" / "config.json").read_text())
     assert (stated["head_dim"], stated["norm_eps"]) == (32, pytest.approx(1e-5, rel=1e-12))
+
+
+def _flip_byte(path):
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) - 7] ^= 0x40
+    path.write_bytes(bytes(raw))
+
+
+def _run_of_two_checkpoints(root, fmt):
+    """A run directory with checkpoints at steps 2 and 4 (written in `fmt`), each its step in every value of
+    emb.weight; the newest then damaged by a flipped byte."""
+    from rwkvx_cli.config import Config, ModelConfig, config_to_dict
+    from rwkvx_cli.models import LM
+    from rwkvx_cli.runs import sharded
+
+    cfg = Config(run_dir=str(root), model=ModelConfig(n_layer=1, n_embd=32, head_size=32))
+    model = LM(cfg.model)
+    for step in (2, 4):
+        with torch.no_grad():
+            model.emb.weight.fill_(step)
+        save = store.save_checkpoint if fmt == "full" else sharded.save_sharded
+        save(root / "checkpoints", step, model, None, {"config": config_to_dict(cfg)}, 3)
+    newest = root / "checkpoints" / "step_00000004"
+    _flip_byte(newest / ("model.safetensors" if fmt == "full" else "shard-00000-of-00001.safetensors"))
+    return root
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_init_from_a_run_passes_over_a_damaged_newest_checkpoint_with_a_warning_and_names_the_step(
+    tmp_path, corpus, fmt
+):
+    """`init --from RUN` finds its checkpoint as eval and export do (store.latest_good): a damaged newest one is
+    reported, left where it is, and the one started from named by its step."""
+    source = _run_of_two_checkpoints(tmp_path / "source", fmt)
+    run = tmp_path / "new"
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", "train.ctx_len=32", "train.micro_batch=4"]
+    result = invoke("init", *args, "--from", source)
+    assert result.exit_code == 0, result.output
+    warnings = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warnings) == 1 and "skipping damaged checkpoint step_00000004" in warnings[0], result.stderr
+    assert "SHA-256" in warnings[0]
+    assert f"weights from {source}, step 2 (" in " ".join(result.stdout.split())
+    assert torch.equal(weights_of(run)["emb.weight"], torch.full((257, 32), 2.0))
+    assert (source / "checkpoints" / "step_00000004").is_dir()  # a reader reports damage; only --resume sets it aside
+
+
+def test_train_init_from_a_run_passes_over_a_damaged_newest_checkpoint_with_a_warning(tmp_path, corpus):
+    source = _run_of_two_checkpoints(tmp_path / "source", "full")
+    run = tmp_path / "new"
+    args = [f"run_dir={run}", f"data.corpus=[{corpus}]", "train.ctx_len=32", "train.micro_batch=4"]
+    args += ["train.tokens=128", "train.eval_tokens=64", f"train.init_from={source}"]
+    result = invoke("train", *args)
+    assert result.exit_code == 0, result.output
+    assert "skipping damaged checkpoint step_00000004" in result.stderr
+    assert f"weights from {source}, step 2 (" in " ".join(result.stdout.split())

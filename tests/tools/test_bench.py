@@ -103,6 +103,34 @@ def test_bench_model_vs_packed_times_document_starts(tmp_path):
     assert result.exit_code == 2 and "data.reset_at_eod must be true" in result.stderr
 
 
+def test_bench_model_vs_packed_starts_documents_inside_a_short_window(tmp_path):
+    """At ctx <= 64 a document every 64 tokens starts only at position 0, where the window starts from the zero
+    state anyway: the benched window holds a document every half window instead, and says so."""
+    path = tmp_path / "model.json"
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 1, n_embd: 32, head_size: 32}\ntrain: {ctx_len: 16, micro_batch: 1}\n")
+    args = ["bench", "--model", str(cfg), "--steps", "1", "--set", "data.reset_at_eod=true", "--vs-packed"]
+    result = runner.invoke(app, [*args, "--json", str(path)])
+    assert result.exit_code == 0, result.output
+    data = json.loads(path.read_text())
+    assert (data["document_len"], data["document_starts"]) == (8, 1)  # one start inside the window: position 8
+    assert "a document every 8 tokens" in result.output
+    result = runner.invoke(app, [*args, "--set", "train.ctx_len=1"])
+    assert result.exit_code == 2 and "train.ctx_len 1 has no room for a document start" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_bench_model_refuses_an_end_of_document_id_outside_the_vocabulary(tmp_path):
+    cfg = tmp_path / "c.yaml"
+    cfg.write_text("model: {n_layer: 1, n_embd: 32, head_size: 32}\ntrain: {ctx_len: 16, micro_batch: 1}\n")
+    args = ["bench", "--model", str(cfg), "--steps", "1", "--set", "data.reset_at_eod=true"]
+    result = runner.invoke(app, [*args, "--set", "data.eod_id=257"])
+    assert result.exit_code == 2 and "Traceback" not in result.output
+    assert result.stderr.strip() == (
+        "error: data.eod_id: 257 is outside the vocabulary: must be below model.vocab_size (257)"
+    )
+
+
 def test_bench_model_keeps_the_profilers_chatter_off_the_terminal(tmp_path):
     """torch.profiler's C++ side writes STAGE:/USDT: lines to file descriptor 2 (a process is needed to
     see them: the runner only swaps sys.stderr); a warning written meanwhile still comes through."""

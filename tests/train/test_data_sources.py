@@ -223,7 +223,7 @@ def test_the_new_keys_round_trip_through_a_saved_config():
     for overrides in (
         ["data.binidx=p", "data.val_tokens=10", "data.tokenizer=world", "model.vocab_size=65536"],
         ["data.mix=[{path: a, weight: 2}, {path: b}]", "data.val_binidx=v", "train.sampler=epoch"],
-        ["train.sampler=random", "data.eod_id=3"],
+        ["train.sampler=random", "data.tokenizer=tok.json", "data.eod_id=3"],
     ):
         cfg = load_config(None, overrides)
         assert config_from_dict(config_to_dict(cfg)) == cfg  # what eval reads back from a checkpoint

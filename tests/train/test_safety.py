@@ -133,6 +133,31 @@ def test_a_run_dir_made_by_an_older_rwkvx_still_resumes(run_copy):
     assert ck.step_of(ck.list_checkpoints(run_copy / "checkpoints")[-1]) == 6
 
 
+def test_a_resume_that_gives_other_init_settings_keeps_the_runs_record_true(run_copy, tmp_path):
+    """model.ffn_key_gain and train.init_from decide only how a run starts: a resume may give other values
+    (nothing it computes changes), but the run's config.yaml and every later checkpoint keep the ones it
+    started with, and the resume says so, on the console and in metrics.jsonl."""
+    weights = tmp_path / "other.pth"
+    result = resume(run_copy, "train.tokens=768", "model.ffn_key_gain=2.0", f"train.init_from={weights}")
+    assert result.exit_code == 0, result.output
+    warning = [line for line in result.stderr.splitlines() if "warning" in line]
+    assert len(warning) == 1 and "model.ffn_key_gain 2.0 (kept: 1.0)" in warning[0], result.stderr
+    assert f"train.init_from '{weights}' (kept: '')" in warning[0]
+    assert "config.yaml and the checkpoints keep what the run was initialised with" in warning[0]
+    saved = load_config(run_copy / "config.yaml")
+    assert (saved.model.ffn_key_gain, saved.train.init_from, saved.train.tokens) == (1.0, "", 768)
+    newest = ck.list_checkpoints(run_copy / "checkpoints")[-1]
+    assert ck.step_of(newest) == 6
+    meta = ck.read_meta(newest)["config"]
+    assert (meta["model"]["ffn_key_gain"], meta["train"]["init_from"]) == (1.0, "")
+    rows = [json.loads(line) for line in (run_copy / "metrics.jsonl").read_text().splitlines()]
+    events = [r for r in rows if "event" in r]
+    kept = {"model.ffn_key_gain": [1.0, 2.0], "train.init_from": ["", str(weights)]}
+    assert events == [{"event": "resume", "step": 4, "init_only": kept}]
+    again = resume(run_copy, "train.tokens=768")  # the run's own values: nothing to say
+    assert again.exit_code == 0 and "warning" not in again.stderr, again.output
+
+
 # -- 4, 5. never resume past a damaged history silently, never delete it ----------------------------
 def test_resume_refuses_when_every_checkpoint_is_damaged(run_copy):
     for ckpt in ck.list_checkpoints(run_copy / "checkpoints"):
@@ -209,6 +234,19 @@ def test_a_read_only_run_dir_is_one_line(run_copy):
     finally:
         os.chmod(run_copy / "checkpoints", 0o755)
     assert result.exit_code == 1 and "Traceback" not in result.output
+
+
+def test_a_write_refused_at_its_destination_names_the_destination_not_its_temporary_file(tmp_path):
+    """An atomic write that cannot rename its temporary file into place (a directory there) says where it
+    was writing, and leaves no temporary file behind."""
+    from rwkvx_cli.fsio import atomic_write_bytes
+
+    target = tmp_path / "by-position.png"
+    target.mkdir()
+    with pytest.raises(IsADirectoryError) as e:
+        atomic_write_bytes(target, b"png")
+    assert e.value.filename == str(target) and e.value.filename2 is None
+    assert list(tmp_path.iterdir()) == [target] and not any(target.iterdir())
 
 
 # -- silent wrong answers -----------------------------------------------------------------------------

@@ -446,6 +446,13 @@ def as_source(weights: TensorSource | Mapping[str, torch.Tensor]) -> TensorSourc
 HF_INDEX = "model.safetensors.index.json"
 
 
+def from_store(path: Path) -> bool:
+    """Whether open_tensors reads the directory `path` through the checkpoint store (an rwkvx checkpoint,
+    run directory or checkpoints folder): not an HF shard set, not a bare model.safetensors."""
+    bare = (path / "model.safetensors").is_file() and not (path / "meta.json").is_file()
+    return not (path / HF_INDEX).is_file() and not bare
+
+
 def open_tensors(path: str | os.PathLike) -> TensorSource:
     """The tensors at `path`, lazily: an HF directory (sharded or not), an rwkvx checkpoint or run
     directory, a .safetensors file, or a .pth/.pt state dict."""
@@ -453,7 +460,7 @@ def open_tensors(path: str | os.PathLike) -> TensorSource:
     if path.is_dir():
         if (path / HF_INDEX).is_file():
             return open_shards(path)
-        if (path / "model.safetensors").is_file() and not (path / "meta.json").is_file():
+        if not from_store(path):
             return SafetensorsFiles([path / "model.safetensors"])
         from rwkvx_cli.runs.store import open_weights, resolve_checkpoint  # the store's own finder (verifies)
 
