@@ -13,7 +13,8 @@ before anything is compiled or run. The library is cached under $RWKVX_CACHE
 (default ~/.cache/rwkvx/native), keyed by the source, the shared headers, the
 flags and the compiler, and written atomically, so concurrent processes never
 load a half-written file. A machine without a compiler gets a NativeBuildError
-naming the problem; callers fall back.
+naming the problem; callers fall back (an op's NativeKernel, ops/_cpu_op.py, makes it the
+reason its `cpu` backend is unavailable).
 """
 
 from __future__ import annotations
@@ -26,7 +27,6 @@ import platform
 import shutil
 import subprocess
 import tempfile
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -172,15 +172,6 @@ def _build_and_load(source: Path, isa: str, precision: str | None) -> ctypes.CDL
     return lib
 
 
-def native_unavailable(library: Callable[[], ctypes.CDLL]) -> str | None:
-    """None when the kernel that `library()` loads builds and loads here, else the reason."""
-    try:
-        library()
-    except NativeBuildError as e:
-        return str(e)
-    return None
-
-
 def ptr(t: torch.Tensor) -> ctypes.c_void_p:
     """A tensor's data pointer for a C call. The pointer holds no reference: the caller keeps the
     tensor alive, under a name, until the call returns. `ptr(x.contiguous())` frees the copy it
@@ -196,14 +187,3 @@ def optional_ptr(t: torch.Tensor | None) -> ctypes.c_void_p | None:
 def ptr_array(tensors: list[torch.Tensor | None]) -> ctypes.Array:
     """A C array of the tensors' data pointers, None a null pointer (the caller keeps them alive)."""
     return (ctypes.c_void_p * len(tensors))(*(None if t is None else t.data_ptr() for t in tensors))
-
-
-def kernel_entry(library: Callable[[str], ctypes.CDLL], op: str, name: str, x: torch.Tensor):
-    """The fp32 or fp64 entry point `name` of an op's kernel library (`library(precision)`, the
-    op's own loader), for `x`'s dtype: the kernels take nothing else."""
-    import torch
-
-    if x.dtype not in (torch.float32, torch.float64):
-        raise ValueError(f"the {op} cpu kernel takes float32 or float64 tensors, got {x.dtype}")
-    precision = "f64" if x.dtype == torch.float64 else "f32"
-    return getattr(library(precision), f"{name}_{precision}")

@@ -6,33 +6,17 @@
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op
 from rwkvx_cli.ops.channel_mix.fused import Kernels, channel_mix_with
 from rwkvx_cli.ops.shift_mix import cpu as shift_mix_cpu
 
-SOURCE = Path(__file__).parent / "csrc" / "channel_mix_cpu.cpp"
+KERNEL = NativeKernel("channel_mix", needs=shift_mix_cpu.KERNEL)  # csrc/channel_mix_cpu.cpp: relu²
+unavailable = KERNEL.unavailable
 KERNEL_DTYPES = (torch.float32, torch.float64)
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    return load_library(SOURCE, precision)
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when both kernels (shift_mix's and relu²) build and load here, else the reason."""
-    return shift_mix_cpu.unavailable() or native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "channel_mix", name, x)
 
 
 def _rows_cols(t: Tensor) -> tuple[int, int]:
@@ -46,7 +30,7 @@ def relu2_cpu_fwd(h: Tensor) -> Tensor:
     """a = relu(h)², any shape, fp32 or fp64."""
     h = h.contiguous()
     a = torch.empty_like(h)
-    _kernel("channel_mix_forward", h)(ptr(h), ptr(a), *_rows_cols(h), torch.get_num_threads())
+    KERNEL.forward(h)(ptr(h), ptr(a), *_rows_cols(h), torch.get_num_threads())
     return a
 
 
@@ -60,7 +44,7 @@ def relu2_cpu_bwd(da: Tensor, a: Tensor) -> Tensor:
     """dh = 2 sqrt(a) da, the gradient of relu(h)² from its output a, both of one shape and dtype."""
     da, a = da.contiguous(), a.contiguous()
     dh = torch.empty_like(a)
-    _kernel("channel_mix_backward", a)(ptr(da), ptr(a), ptr(dh), *_rows_cols(a), torch.get_num_threads())
+    KERNEL.backward(a)(ptr(da), ptr(a), ptr(dh), *_rows_cols(a), torch.get_num_threads())
     return dh
 
 

@@ -11,32 +11,19 @@ so torch.compile traces the autograd.Function around them with no graph break.""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op, threads
 
 SCRATCH_BYTES = 1 << 20  # the backward's per-thread states buffer: about half a core's L2
-SOURCE = Path(__file__).parent / "csrc" / "delta_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    lib = load_library(SOURCE, precision)
-    for name in (f"delta_forward_{precision}", f"delta_backward_{precision}"):
-        fn = getattr(lib, name)
-        n_ptrs = 10 if "forward" in name else 14
-        fn.argtypes = [ctypes.c_void_p] * n_ptrs + [ctypes.c_int] * 5 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
-        fn.restype = ctypes.c_int
-    return lib
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
+# csrc/delta_cpu.cpp: each entry point takes (pointers..., B, T, H, N, G, scale, chunk, threads) and
+# returns 0, or -1 for a head size past the kernel's (_check)
+_SIZES = [ctypes.c_int] * 5 + [ctypes.c_double, ctypes.c_int, ctypes.c_int]
+KERNEL = NativeKernel("delta", forward=[ctypes.c_void_p] * 10 + _SIZES, backward=[ctypes.c_void_p] * 14 + _SIZES)
+unavailable = KERNEL.unavailable
 
 
 def chunk_size(N: int, itemsize: int) -> int:
@@ -50,18 +37,9 @@ def chunk_size(N: int, itemsize: int) -> int:
     return chunk
 
 
-def _threads(tasks: int) -> int:
-    """torch's thread count, but no more threads than (batch, head) tasks."""
-    return max(1, min(torch.get_num_threads(), tasks))
-
-
 def _check(rc: int, N: int) -> None:
     if rc != 0:
         raise ValueError(f"the cpu backend supports head sizes up to 512 (fp32) / 256 (fp64), got N = {N}")
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "delta", name, x)
 
 
 @cpu_kernel_op("rwkvx::delta_cpu_fwd")
@@ -74,8 +52,8 @@ def delta_cpu_fwd(
     B, T, H, N = q.shape
     ins = [x.contiguous() for x in (q, k, v, A, beta, state)]
     outs = _delta_fwd_fake(q, k, v, A, beta, state, scale, chunk)
-    fn = _kernel("delta_forward", q)
-    _check(fn(*map(ptr, (*ins, *outs)), B, T, H, N, A.shape[-1], scale, chunk, _threads(B * H)), N)
+    fn = KERNEL.forward(q)
+    _check(fn(*map(ptr, (*ins, *outs)), B, T, H, N, A.shape[-1], scale, chunk, threads(B * H)), N)
     return outs
 
 
@@ -108,8 +86,8 @@ def delta_cpu_bwd(
     B, T, H, N = q.shape
     ins = [x.contiguous() for x in (q, k, A, beta, snaps, w, dy, ds_out)]
     grads = _delta_bwd_fake(q, k, A, beta, snaps, w, dy, ds_out, scale, chunk)
-    fn = _kernel("delta_backward", q)
-    _check(fn(*map(ptr, (*ins, *grads)), B, T, H, N, A.shape[-1], scale, chunk, _threads(B * H)), N)
+    fn = KERNEL.backward(q)
+    _check(fn(*map(ptr, (*ins, *grads)), B, T, H, N, A.shape[-1], scale, chunk, threads(B * H)), N)
     return grads
 
 

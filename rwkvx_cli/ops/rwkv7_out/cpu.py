@@ -10,36 +10,16 @@ torch.compile traces the autograd.Function around them with no graph break."""
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op, threads
 
-SOURCE = Path(__file__).parent / "csrc" / "rwkv7_out_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    lib = load_library(SOURCE, precision)
-    fwd = getattr(lib, f"rwkv7_out_forward_{precision}")
-    fwd.argtypes = [ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_double]
-    return lib
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "rwkv7_out", name, x)
-
-
-def _threads(rows: int) -> int:
-    return max(1, min(torch.get_num_threads(), rows))
+# csrc/rwkv7_out_cpu.cpp; the forward takes eps, a double
+KERNEL = NativeKernel("rwkv7_out", forward=[ctypes.c_void_p] * 8 + [ctypes.c_int] * 4 + [ctypes.c_double])
+unavailable = KERNEL.unavailable
 
 
 @cpu_kernel_op("rwkvx::rwkv7_out_cpu_fwd")
@@ -52,8 +32,8 @@ def rwkv7_out_cpu_fwd(
     B, T, H, N = y.shape
     ins = [x.contiguous() for x in (y, bonus, g, weight, bias)]
     outs = _fwd_fake(y, bonus, g, weight, bias, eps)
-    fn = _kernel("rwkv7_out_forward", y)
-    fn(*map(ptr, (*ins, *outs)), B * T, H, N, _threads(B * T), eps)
+    fn = KERNEL.forward(y)
+    fn(*map(ptr, (*ins, *outs)), B * T, H, N, threads(B * T), eps)
     return outs
 
 
@@ -73,8 +53,8 @@ def rwkv7_out_cpu_bwd(
     B, T, H, N = y.shape
     ins = [x.contiguous() for x in (y, bonus, g, weight, bias, mean, rstd, dout)]
     grads = _bwd_fake(y, bonus, g, weight, bias, mean, rstd, dout)
-    fn = _kernel("rwkv7_out_backward", y)
-    fn(*map(ptr, (*ins, *grads)), B * T, H, N, _threads(B * T))
+    fn = KERNEL.backward(y)
+    fn(*map(ptr, (*ins, *grads)), B * T, H, N, threads(B * T))
     return grads
 
 

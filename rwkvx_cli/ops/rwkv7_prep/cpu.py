@@ -10,35 +10,15 @@ torch.compile traces the autograd.Function around them with no graph break."""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import optional_ptr, ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op, threads
 from rwkvx_cli.ops.rwkv7_prep import prep_outputs
 
-SOURCE = Path(__file__).parent / "csrc" / "rwkv7_prep_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    return load_library(SOURCE, precision)
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "rwkv7_prep", name, x)
-
-
-def _threads(rows: int) -> int:
-    return max(1, min(torch.get_num_threads(), rows))
+KERNEL = NativeKernel("rwkv7_prep")  # csrc/rwkv7_prep_cpu.cpp
+unavailable = KERNEL.unavailable
 
 
 def _ptrs(tensors, stand_in: Tensor) -> list:
@@ -70,9 +50,9 @@ def rwkv7_prep_cpu_fwd(
     ins = [None if x is None else x.contiguous() for x in (r, k, v, w_lora, a_lora, v_first, v_lora)]
     params = [None if p is None else p.contiguous() for p in (w0, a0, v0, k_k, k_a, r_k)]
     outs = _fwd_fake(r, k, v, w_lora, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k)
-    fn = _kernel("rwkv7_prep_forward", r)
+    fn = KERNEL.forward(r)
     residual = v_first is not None
-    fn(*_ptrs((*ins, *params, *outs), r), B * T, H, N, int(residual), _threads(B * T))
+    fn(*_ptrs((*ins, *params, *outs), r), B * T, H, N, int(residual), threads(B * T))
     return outs
 
 
@@ -116,14 +96,14 @@ def rwkv7_prep_cpu_bwd(
     douts = [None if g is None else g.contiguous() for g in (dw, dk_out, dv_out, da, db, dbonus)]
     grads = _bwd_fake(r, k, v, w, a_lora, v_first, v_lora, w0, a0, v0, k_k, k_a, r_k, *douts, dr_add)
     present = sum(1 << i for i, g in enumerate(douts) if g is not None)
-    fn = _kernel("rwkv7_prep_backward", r)
+    fn = KERNEL.backward(r)
     residual = v_first is not None
     dra = None if dr_add is None else dr_add.contiguous()  # None, a null pointer: nothing to add
     fn(
         *_ptrs((*ins, *params, *douts), r),
         optional_ptr(dra),
         *_ptrs(grads, r),
-        *(B * T, H, N, int(residual), present, _threads(B * T)),
+        *(B * T, H, N, int(residual), present, threads(B * T)),
     )
     return grads
 

@@ -10,31 +10,15 @@ so torch.compile traces the autograd.Function around them with no graph break.""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import optional_ptr, ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op
 
 CHUNK = 16
-SOURCE = Path(__file__).parent / "csrc" / "rwkv8_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    return load_library(SOURCE, precision)
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "rwkv8", name, x)
+KERNEL = NativeKernel("rwkv8")  # csrc/rwkv8_cpu.cpp
+unavailable = KERNEL.unavailable
 
 
 def _dims(q: Tensor, v: Tensor) -> tuple[int, ...]:
@@ -52,7 +36,7 @@ def rwkv8_cpu_fwd(
     ins = [x.contiguous() for x in (q, v, d, rho, norm)]
     starts = None if starts is None else starts.contiguous()
     outs = _rwkv8_fwd_fake(q, v, d, rho, norm)
-    fn = _kernel("rwkv8_forward", q)
+    fn = KERNEL.forward(q)
     fn(*map(ptr, ins), optional_ptr(starts), *map(ptr, outs), *_dims(q, v), CHUNK, torch.get_num_threads())
     return outs
 
@@ -89,7 +73,7 @@ def rwkv8_cpu_bwd(
     douts = [x.contiguous() for x in (dy, drho, dnorm)]
     starts = None if starts is None else starts.contiguous()
     grads = _rwkv8_bwd_fake(q, v, d, snaps, nsnaps, dy, drho, dnorm)
-    fn = _kernel("rwkv8_backward", q)
+    fn = KERNEL.backward(q)
     fn(
         *map(ptr, ins),
         optional_ptr(starts),

@@ -13,33 +13,17 @@ backend calls the same ops with one lerp (its backward passes the residual's gra
 from __future__ import annotations
 
 import ctypes
-from pathlib import Path
 
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr, ptr_array
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import optional_ptr, ptr, ptr_array
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op
 from rwkvx_cli.ops.shift_mix import MAX_MIXES, mix_grads, mix_rows
 
-SOURCE = Path(__file__).parent / "csrc" / "shift_mix_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    lib = load_library(SOURCE, precision)
-    forward = getattr(lib, f"shift_mix_forward_{precision}")
-    forward.argtypes = [ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_double]
-    return lib
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "shift_mix", name, x)
+# csrc/shift_mix_cpu.cpp; the forward takes eps, a double
+KERNEL = NativeKernel("shift_mix", forward=[ctypes.c_void_p] * 10 + [ctypes.c_int] * 5 + [ctypes.c_double])
+unavailable = KERNEL.unavailable
 
 
 def _contiguous(t: Tensor | None) -> Tensor | None:
@@ -68,7 +52,7 @@ def shift_mix_cpu_fwd(
     mix = [m.contiguous() for m in mix]
     state, starts = _contiguous(state), _contiguous(starts)
     ys, s_out, mean, rstd = _shift_mix_fwd_fake(x, weight, bias, mix, state, eps)
-    fn = _kernel("shift_mix_forward", x)
+    fn = KERNEL.forward(x)
     fn(
         *map(ptr, ins),
         ptr_array(mix),
@@ -116,7 +100,7 @@ def shift_mix_cpu_bwd(
     mix = [m.contiguous() for m in mix]
     stats = [mean.contiguous(), rstd.contiguous()]
     grads = _shift_mix_bwd_fake(dys, dstate_out, x, weight, bias, mix, state, mean, rstd, dx_add)
-    fn = _kernel("shift_mix_backward", x)
+    fn = KERNEL.backward(x)
     fn(
         ptr_array(dys),
         optional_ptr(dstate_out),

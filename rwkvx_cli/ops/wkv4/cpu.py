@@ -10,31 +10,15 @@ so torch.compile traces the autograd.Function around them with no graph break.""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import optional_ptr, ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op
 
 CHUNK = 32
-SOURCE = Path(__file__).parent / "csrc" / "wkv4_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    return load_library(SOURCE, precision)
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "wkv4", name, x)
+KERNEL = NativeKernel("wkv4")  # csrc/wkv4_cpu.cpp
+unavailable = KERNEL.unavailable
 
 
 @cpu_kernel_op("rwkvx::wkv4_cpu_fwd")
@@ -48,7 +32,7 @@ def wkv4_cpu_fwd(
     ins = [x.contiguous() for x in (w, u, k, v, aa, bb, pp)]
     starts = None if starts is None else starts.contiguous()
     outs = _wkv4_fwd_fake(w, u, k, v, aa, bb, pp)
-    fn = _kernel("wkv4_forward", k)
+    fn = KERNEL.forward(k)
     fn(*map(ptr, ins), optional_ptr(starts), *map(ptr, outs), B, T, H * N, CHUNK, torch.get_num_threads())
     return outs
 
@@ -83,7 +67,7 @@ def wkv4_cpu_bwd(
     douts = [x.contiguous() for x in (dy, daa, dbb, dpp)]
     starts = None if starts is None else starts.contiguous()
     grads = _wkv4_bwd_fake(w, u, k, v, aa_out, bb_out, snaps, dy, daa, dbb, dpp)
-    fn = _kernel("wkv4_backward", k)
+    fn = KERNEL.backward(k)
     fn(
         *map(ptr, ins),
         optional_ptr(starts),

@@ -11,31 +11,15 @@ so torch.compile traces the autograd.Function around them with no graph break.""
 
 from __future__ import annotations
 
-import ctypes
-from pathlib import Path
-
 import torch
 from torch import Tensor
 
-from rwkvx_cli.native import kernel_entry, load_library, native_unavailable, optional_ptr, ptr
-from rwkvx_cli.ops._cpu_op import cpu_kernel_op
+from rwkvx_cli.native import optional_ptr, ptr
+from rwkvx_cli.ops._cpu_op import NativeKernel, cpu_kernel_op
 
 CHUNK = 16
-SOURCE = Path(__file__).parent / "csrc" / "wkv7_cpu.cpp"
-
-
-def _library(precision: str = "f32") -> ctypes.CDLL:
-    return load_library(SOURCE, precision)
-
-
-@torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
-def unavailable() -> str | None:
-    """None when the kernel builds and loads here, else the reason."""
-    return native_unavailable(_library)
-
-
-def _kernel(name: str, x: Tensor):
-    return kernel_entry(_library, "wkv7", name, x)
+KERNEL = NativeKernel("wkv7")  # csrc/wkv7_cpu.cpp
+unavailable = KERNEL.unavailable
 
 
 @cpu_kernel_op("rwkvx::wkv7_cpu_fwd")
@@ -48,7 +32,7 @@ def wkv7_cpu_fwd(
     ins = [x.contiguous() for x in (r, w, k, v, a, b)]
     s0 = None if state is None else state.contiguous()  # kept alive by the name while the kernel runs
     y, s_out, snaps, sas = _wkv7_fwd_fake(r, w, k, v, a, b, state)
-    fn = _kernel("wkv7_forward", r)
+    fn = KERNEL.forward(r)
     fn(*map(ptr, ins), optional_ptr(s0), *map(ptr, (y, s_out, snaps, sas)), B, T, H, N, CHUNK, torch.get_num_threads())
     return y, s_out, snaps, sas
 
@@ -81,7 +65,7 @@ def wkv7_cpu_bwd(
     B, T, H, N = r.shape
     ins = [x.contiguous() for x in (r, w, k, v, a, b, snaps, sas, dy)]
     grads = _wkv7_bwd_fake(r, w, k, v, a, b, snaps, sas, dy, ds_out, need_dstate)
-    fn = _kernel("wkv7_backward", r)
+    fn = KERNEL.backward(r)
     ds = None if ds_out is None else ds_out.contiguous()  # kept alive by the name while the kernel runs
     ds0 = optional_ptr(grads[6] if need_dstate else None)
     fn(*map(ptr, ins), optional_ptr(ds), *map(ptr, grads[:6]), ds0, B, T, H, N, CHUNK, torch.get_num_threads())

@@ -80,8 +80,8 @@ class CrossBuild:
         subprocess.run([CXX, "-O2", "-std=c++17", str(DRIVER), "-o", str(self.driver), "-ldl"], check=True)
         self.libraries = {}
         for module in KERNEL_MODULES:
-            target = self.directory / f"{module.SOURCE.stem}.so"
-            _native.compile_library(module.SOURCE, "generic", target, compiler=CXX)
+            target = self.directory / f"{module.KERNEL.source.stem}.so"
+            _native.compile_library(module.KERNEL.source, "generic", target, compiler=CXX)
             self.libraries[module] = target
 
     def call(self, library: Path, symbol: str, args: tuple) -> int:
@@ -138,13 +138,13 @@ def use_cross_build(monkeypatch, build: CrossBuild) -> None:
     for module in KERNEL_MODULES:
         library = build.libraries[module]
 
-        def entry(name, x, library=library):
+        def entry(name, x, library=library, op=module.KERNEL.op):
             suffix = "f64" if x.dtype == torch.float64 else "f32"
-            return lambda *args: build.call(library, f"{name}_{suffix}", args)
+            return lambda *args: build.call(library, f"{op}_{name}_{suffix}", args)
 
         monkeypatch.setattr(module, "ptr", Buffer)
         if hasattr(module, "ptr_array"):
             monkeypatch.setattr(module, "ptr_array", lambda ts: [None if t is None else Buffer(t) for t in ts])
         if hasattr(module, "optional_ptr"):
             monkeypatch.setattr(module, "optional_ptr", lambda t: None if t is None else Buffer(t))
-        monkeypatch.setattr(module, "_kernel", entry)
+        monkeypatch.setattr(module.KERNEL, "entry", entry)
