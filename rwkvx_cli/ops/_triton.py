@@ -2,7 +2,15 @@
 CPU tensors through Triton's interpreter (TRITON_INTERPRET=1, the test suite);
 plus what every Triton backend's autograd wrapper does around its kernels, and how
 their launches become torch ops (`triton_op`, `wrap_triton`;
-docs/operators.md#the-triton-kernels-as-torch-ops)."""
+docs/operators.md#the-triton-kernels-as-torch-ops).
+
+Every Triton backend module starts with the same two lines, then its kernels:
+
+    from rwkvx_cli.ops import _triton as tr
+    from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton
+
+the names its kernels and op definitions use bare (`unavailable` is the backend's, for its
+spec), and the wrapper helpers as `tr.prepare`, `tr.CHUNK`, ..."""
 
 from __future__ import annotations
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import compute_dtype, tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 from rwkvx_cli.ops.channel_mix.fused import Kernels, channel_mix_with
 from rwkvx_cli.ops.shift_mix import fused_triton as shift  # noqa: F401  (registers shift_mix's ops)
 
@@ -42,7 +43,7 @@ def relu2_triton_fwd(h: Tensor) -> Tensor:
     """relu(h)², in h's dtype."""
     h = h.contiguous()
     a = torch.empty_like(h)
-    _, DT = compute_dtype(h.dtype)
+    _, DT = tr.compute_dtype(h.dtype)
     wrap_triton(_relu2_fwd_kernel)[(triton.cdiv(h.numel(), BLOCK),)](h, a, h.numel(), BLOCK, DT, num_warps=WARPS)
     return a
 
@@ -52,7 +53,7 @@ def relu2_triton_bwd(da: Tensor, a: Tensor) -> Tensor:
     """2 sqrt(a) da, the gradient of h from a = relu(h)², in da's dtype."""
     da, a = da.contiguous(), a.contiguous()
     dh = torch.empty_like(da)
-    _, DT = compute_dtype(da.dtype)
+    _, DT = tr.compute_dtype(da.dtype)
     wrap_triton(_relu2_bwd_kernel)[(triton.cdiv(da.numel(), BLOCK),)](da, a, dh, da.numel(), BLOCK, DT, num_warps=WARPS)
     return dh
 

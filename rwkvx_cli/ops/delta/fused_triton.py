@@ -31,21 +31,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    CHUNK,
-    cast_back,
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    fused_state_offsets,
-    prepare,
-    state_blocks,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 
 if triton is not None:
 
@@ -166,7 +153,7 @@ if triton is not None:
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index; refuses sizes they cannot index."""
-    return fused_state_offsets("gdn/kda triton", B, T, H, N)
+    return tr.fused_state_offsets("gdn/kda triton", B, T, H, N)
 
 
 @triton_op("rwkvx::delta_triton_fwd")
@@ -179,14 +166,14 @@ def delta_triton_fwd(
     B, T, H, N = q.shape
     G = g.shape[-1]
     q, k, v, g, beta, s0 = (x.contiguous() for x in (q, k, v, g, beta, s0))
-    _, DT = compute_dtype(q.dtype)
-    BK, BV, NVB = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
+    _, DT = tr.compute_dtype(q.dtype)
+    BK, BV, NVB = tr.state_blocks(N)
+    NC = triton.cdiv(T, tr.CHUNK)
     y = torch.empty_like(q)
     s_out = torch.empty_like(s0)
     snaps = s0.new_empty(B, H, NC, N, N)
     wrap_triton(_fwd_kernel)[(B * H, NVB)](
-        q, k, v, g, beta, s0, y, s_out, snaps, scale, T, H, N, G, BK, BV, CHUNK, NC, DT
+        q, k, v, g, beta, s0, y, s_out, snaps, scale, T, H, N, G, BK, BV, tr.CHUNK, NC, DT
     )
     return y, s_out, snaps
 
@@ -209,19 +196,19 @@ def delta_triton_bwd(
     B, T, H, N = q.shape
     G = g.shape[-1]
     q, k, v, g, beta, snaps, dy, ds_out = (x.contiguous() for x in (q, k, v, g, beta, snaps, dy, ds_out))
-    cdt, DT = compute_dtype(q.dtype)
-    BK, BV, NVB = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
-    empty = compute_empty(cdt, dy.device)
-    scratch = empty(B * H * NVB * CHUNK * BK * BV)
-    scratch_w = empty(B * H * NVB * CHUNK * BV)
+    cdt, DT = tr.compute_dtype(q.dtype)
+    BK, BV, NVB = tr.state_blocks(N)
+    NC = triton.cdiv(T, tr.CHUNK)
+    empty = tr.compute_empty(cdt, dy.device)
+    scratch = empty(B * H * NVB * tr.CHUNK * BK * BV)
+    scratch_w = empty(B * H * NVB * tr.CHUNK * BV)
     dv = empty(B, T, H, N)
     ds0 = empty(B, H, N, N)
     dq_p, dk_p, dg_p = (empty(NVB, B, T, H, N) for _ in range(3))
     db_lanes = empty(B, T, H, N)  # w_j du_j: each value column belongs to one block
     wrap_triton(_bwd_kernel)[(B * H, NVB)](
         q, k, v, g, beta, snaps, dy, ds_out, scratch, scratch_w, dv, ds0, dq_p, dk_p, dg_p, db_lanes,
-        scale, T, H, B * T * H * N, N, G, BK, BV, CHUNK, NC, NVB, DT,
+        scale, T, H, B * T * H * N, N, G, BK, BV, tr.CHUNK, NC, NVB, DT,
     )  # fmt: skip
     dq, dk, dg = dq_p.sum(0), dk_p.sum(0), dg_p.sum(0)
     if G == 1:
@@ -234,7 +221,7 @@ class _DeltaTriton(torch.autograd.Function):
     def forward(ctx, q, k, v, g, beta, state, scale):
         B, T, H, N = q.shape
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), _, _ = prepare((q, k, v, g, beta), (state,), q.dtype)
+        ins, (s0,), _, _ = tr.prepare((q, k, v, g, beta), (state,), q.dtype)
         y, s_out, snaps = torch.ops.rwkvx.delta_triton_fwd(*ins, s0, scale)
         ctx.save_for_backward(*ins, snaps)
         ctx.scale = scale
@@ -244,9 +231,9 @@ class _DeltaTriton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
-        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), ins[0].dtype)
+        (dy,), (ds_out,), _, _ = tr.prepare((dy,), (ds_out,), ins[0].dtype)
         grads = torch.ops.rwkvx.delta_triton_bwd(*ins, snaps, dy, ds_out, ctx.scale)
-        return (*cast_back(grads, ctx.dtypes), None)
+        return (*tr.cast_back(grads, ctx.dtypes), None)
 
 
 def delta_triton(q, k, v, g, beta, state, scale):

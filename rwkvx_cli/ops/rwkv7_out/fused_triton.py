@@ -19,17 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    row_chunks,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 from rwkvx_cli.ops.rwkv7_out import LN_X_EPS
 
 WARPS = 4
@@ -106,7 +97,7 @@ def _tiles(N: int, elements: int) -> tuple[int, int]:
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 token bases)."""
-    return check_offsets("rwkv7_out triton", {"inputs": (B, T, H, N)})
+    return tr.check_offsets("rwkv7_out triton", {"inputs": (B, T, H, N)})
 
 
 @triton_op("rwkvx::rwkv7_out_triton_fwd")
@@ -115,7 +106,7 @@ def rwkv7_out_triton_fwd(y: Tensor, bonus: Tensor, g: Tensor, weight: Tensor, bi
     dtype). Returns out [B, T, H, N] in the inputs' dtype."""
     B, T, H, N = y.shape
     y, bonus, g, weight, bias = (t.contiguous() for t in (y, bonus, g, weight, bias))
-    _, DT = compute_dtype(y.dtype)
+    _, DT = tr.compute_dtype(y.dtype)
     BN, BT = _tiles(N, FWD_TILE)
     out = torch.empty_like(y)
     wrap_triton(_fwd_kernel)[(triton.cdiv(B * T, BT), H)](
@@ -133,11 +124,11 @@ def rwkv7_out_triton_bwd(
     B, T, H, N = y.shape
     R, C = B * T, H * N
     y, bonus, g, weight, bias, dout = (t.contiguous() for t in (y, bonus, g, weight, bias, dout))
-    cdt, DT = compute_dtype(y.dtype)
+    cdt, DT = tr.compute_dtype(y.dtype)
     BN, BT = _tiles(N, BWD_TILE)
-    P, RP = row_chunks(R, BT, H)
+    P, RP = tr.row_chunks(R, BT, H)
     dy, dbonus, dg = (torch.empty_like(y) for _ in range(3))
-    parts = compute_empty(cdt, y.device)(2, P, C)
+    parts = tr.compute_empty(cdt, y.device)(2, P, C)
     wrap_triton(_bwd_kernel)[(P, H)](
         y, bonus, g, weight, bias, dout, dy, dbonus, dg, parts,
         R, H, RP, P * C, eps, N, BT, BN, DT, num_warps=WARPS,

@@ -27,17 +27,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    row_chunks,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 from rwkvx_cli.ops.rwkv7_prep import prep_outputs
 from rwkvx_cli.ops.rwkv7_prep.reference import DECAY_SCALE
 
@@ -195,7 +186,7 @@ FWD_TILE, BWD_TILE = 512, 256
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 token bases)."""
-    return check_offsets("rwkv7_prep triton", {"inputs": (B, T, H, N)})
+    return tr.check_offsets("rwkv7_prep triton", {"inputs": (B, T, H, N)})
 
 
 @triton_op("rwkvx::rwkv7_prep_triton_fwd")
@@ -222,7 +213,7 @@ def rwkv7_prep_triton_fwd(
     seq = [t.contiguous() for t in (r, k, v, w_lora, a_lora)]
     vf, vl = (v_first.contiguous(), v_lora.contiguous()) if residual else (seq[0], seq[0])
     params = [t.contiguous() for t in (w0, a0, v0 if residual else w0, k_k, k_a, r_k)]
-    _, DT = compute_dtype(r.dtype)
+    _, DT = tr.compute_dtype(r.dtype)
     BN, BT = _tiles(N, FWD_TILE)
     w, kp, a, b, bonus = (torch.empty_like(seq[0]) for _ in range(5))
     vp = torch.empty_like(seq[0]) if residual else seq[0]
@@ -268,13 +259,13 @@ def rwkv7_prep_triton_bwd(
     params = [t.contiguous() for t in (w0, a0, v0 if residual else w0, k_k, k_a, r_k)]
     gv = dv_out.contiguous() if residual else seq[0]
     grads = [t.contiguous() for t in (dw, dk_out)] + [gv] + [t.contiguous() for t in (da, db, dbonus)]
-    cdt, DT = compute_dtype(r.dtype)
+    cdt, DT = tr.compute_dtype(r.dtype)
     BN, BT = _tiles(N, BWD_TILE)
-    P, RP = row_chunks(R, BT, H)
+    P, RP = tr.row_chunks(R, BT, H)
     outs = [torch.empty_like(seq[0]) for _ in range(7 if residual else 5)]
     dr, dk, dv, dwl, dal = outs[:5]
     dvf, dvl = outs[5:] if residual else (seq[0], seq[0])
-    parts = compute_empty(cdt, r.device)(6 if residual else 5, P, C)
+    parts = tr.compute_empty(cdt, r.device)(6 if residual else 5, P, C)
     dra = seq[0] if dr_add is None else dr_add.contiguous()  # any valid pointer without HAS_DR_ADD
     wrap_triton(_bwd_kernel)[(P, H)](
         *seq, vf, vl, *params, *grads, dra, dr, dk, dv, dwl, dal, dvf, dvl, parts,

@@ -42,19 +42,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    CHUNK,
-    cast_back,
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    prepare,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 from rwkvx_cli.ops.rwkv8.reference import EPS
 
 if triton is not None:
@@ -215,15 +204,15 @@ def index_offsets(B: int, T: int, H: int, L: int, E: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
     cannot index. E is the value width: the model width with the shared value head."""
     BR, BV, NR, NV = _blocks(L, E)
-    NC = triton.cdiv(T, CHUNK)
+    NC = triton.cdiv(T, tr.CHUNK)
     buffers = {
         "q": (B, T, H, L),
         "state snapshots": (B, H, NC, L, E),
         "output partials": (NR, B, T, H, E),
         "dq partials": (NV, B, T, H, L),
-        "scratch": (B * H * NR * NV, CHUNK, BR, BV),
+        "scratch": (B * H * NR * NV, tr.CHUNK, BR, BV),
     }
-    return check_offsets("rwkv8 triton", buffers, tile=max(L * E, CHUNK * BR * BV))
+    return tr.check_offsets("rwkv8 triton", buffers, tile=max(L * E, tr.CHUNK * BR * BV))
 
 
 @triton_op("rwkvx::rwkv8_triton_fwd")
@@ -238,16 +227,16 @@ def rwkv8_triton_fwd(
     Hv, E = v.shape[2], v.shape[3]
     q, v, d, s, rho0, n0 = (x.contiguous() for x in (q, v, d, s, rho0, n0))
     starts = None if starts is None else starts.contiguous()
-    cdt, DT = compute_dtype(q.dtype)
+    cdt, DT = tr.compute_dtype(q.dtype)
     BR, BV, NR, NV = _blocks(L, E)
-    NC = triton.cdiv(T, CHUNK)
-    y_p = compute_empty(cdt, q.device)(NR, B, T, H, E)
+    NC = triton.cdiv(T, tr.CHUNK)
+    y_p = tr.compute_empty(cdt, q.device)(NR, B, T, H, E)
     rho_out, norm_out = torch.empty_like(rho0), torch.empty_like(n0)
     snaps = rho0.new_empty(B, H, NC, L, E)
     nsnaps = rho0.new_empty(B, H, NC, L)
     wrap_triton(_fwd_kernel)[(B * H, NR, NV)](
         q, v, d, s, rho0, n0, y_p, rho_out, norm_out, snaps, nsnaps,
-        T, H, Hv, L, E, B * T * H * E, BR, BV, CHUNK, NC, DT, starts, starts is not None,
+        T, H, Hv, L, E, B * T * H * E, BR, BV, tr.CHUNK, NC, DT, starts, starts is not None,
     )  # fmt: skip
     return y_p.sum(0), rho_out, norm_out, snaps, nsnaps
 
@@ -273,12 +262,12 @@ def rwkv8_triton_bwd(
     Hv, E = v.shape[2], v.shape[3]
     q, v, d, s, snaps, nsnaps, dy, drho, dnorm = (x.contiguous() for x in (q, v, d, s, snaps, nsnaps, dy, drho, dnorm))
     starts = None if starts is None else starts.contiguous()
-    cdt, DT = compute_dtype(q.dtype)
+    cdt, DT = tr.compute_dtype(q.dtype)
     BR, BV, NR, NV = _blocks(L, E)
-    NC = triton.cdiv(T, CHUNK)
-    empty = compute_empty(cdt, q.device)
-    scratch = empty(B * H * NR * NV * CHUNK * BR * BV)
-    nscratch = empty(B * H * NR * NV * CHUNK * BR)
+    NC = triton.cdiv(T, tr.CHUNK)
+    empty = tr.compute_empty(cdt, q.device)
+    scratch = empty(B * H * NR * NV * tr.CHUNK * BR * BV)
+    nscratch = empty(B * H * NR * NV * tr.CHUNK * BR)
     dq_p = empty(NV, B, T, H, L)
     zdz_p = empty(NR * NV, B, T, H)
     dv_p = empty(NR, B, T, H, E)
@@ -286,7 +275,7 @@ def rwkv8_triton_bwd(
     drho0 = empty(B, H, L, E)
     wrap_triton(_bwd_kernel)[(B * H, NR, NV)](
         q, v, d, s, snaps, nsnaps, dy, drho, dnorm, scratch, nscratch, dq_p, zdz_p, dv_p, dd_p, drho0, dnorm0_p,
-        T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, CHUNK, NC, DT,
+        T, H, Hv, L, E, B * T * H * E, B * T * H, B * T * H * L, B * H * L, BR, BV, tr.CHUNK, NC, DT,
         starts, starts is not None,
     )  # fmt: skip
     dq = dq_p.sum(0) - (zdz_p.sum(0) / s)[..., None]
@@ -301,7 +290,7 @@ class _RWKV8Triton(torch.autograd.Function):
     def forward(ctx, q, v, d, rho, norm, starts):
         B, T, H, L = q.shape
         index_offsets(B, T, H, L, v.shape[3])  # before any copy or allocation
-        ins, s0, cdt, _ = prepare((q, v, d), (rho, norm), q.dtype)
+        ins, s0, cdt, _ = tr.prepare((q, v, d), (rho, norm), q.dtype)
         s = ins[0].to(cdt).sum(-1) + EPS  # [B, T, H]: q̃'s normaliser, shared by every tile
         y, rho_out, norm_out, snaps, nsnaps = torch.ops.rwkvx.rwkv8_triton_fwd(*ins, s, *s0, starts)
         ctx.save_for_backward(*ins, s, snaps, nsnaps, starts)
@@ -311,9 +300,9 @@ class _RWKV8Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, drho, dnorm):
         q, v, d, s, snaps, nsnaps, starts = ctx.saved_tensors
-        (dy,), (drho, dnorm), _, _ = prepare((dy,), (drho, dnorm), q.dtype)
+        (dy,), (drho, dnorm), _, _ = tr.prepare((dy,), (drho, dnorm), q.dtype)
         grads = torch.ops.rwkvx.rwkv8_triton_bwd(q, v, d, s, snaps, nsnaps, dy, drho, dnorm, starts)
-        return (*cast_back(grads, ctx.dtypes), None)
+        return (*tr.cast_back(grads, ctx.dtypes), None)
 
 
 def rwkv8_triton(q, v, d, state, *, starts=None):

@@ -32,17 +32,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    row_chunks,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 from rwkvx_cli.ops.shift_mix import mix_grads, mix_rows
 
 SLOTS = 8  # pointer arguments for the outputs, their gradients and the lerp weights (shift_mix.MAX_MIXES)
@@ -306,7 +297,7 @@ def _slots(tensors: list[Tensor], fill: Tensor) -> list[Tensor]:
 def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 row bases; the statistics
     [2, B, T] and the partials are smaller)."""
-    return check_offsets("shift_mix triton", {"x, y, dy": (B, T, C)})
+    return tr.check_offsets("shift_mix triton", {"x, y, dy": (B, T, C)})
 
 
 @triton_op("rwkvx::shift_mix_triton_fwd")
@@ -321,7 +312,7 @@ def shift_mix_triton_fwd(
     M = len(mix)
     x, weight, bias, state = (t.contiguous() for t in (x, weight, bias, state))
     mix = [m.contiguous() for m in mix]
-    cdt, DT = compute_dtype(x.dtype)
+    cdt, DT = tr.compute_dtype(x.dtype)
     BC, BT, _ = _tiles(C)
     ys = [torch.empty_like(x) for _ in range(M)]
     s_out = torch.empty_like(state)
@@ -359,11 +350,11 @@ def shift_mix_triton_bwd(
     mix = [m.contiguous() for m in mix]
     ds = x if ds_out is None else ds_out.contiguous()
     add = x if dx_add is None else dx_add.contiguous()
-    cdt, DT = compute_dtype(x.dtype)
+    cdt, DT = tr.compute_dtype(x.dtype)
     BC, BT, BT2 = _tiles(C)
     NCB = triton.cdiv(C, BC)
-    P, RP = row_chunks(R, BT2, NCB)
-    empty = compute_empty(cdt, x.device)
+    P, RP = tr.row_chunks(R, BT2, NCB)
+    empty = tr.compute_empty(cdt, x.device)
     sums = empty(2, R)
     dx = torch.empty_like(x)
     dstate = empty(B, C)
@@ -391,7 +382,7 @@ class _ShiftMixTriton(torch.autograd.Function):
     def forward(ctx, x, weight, bias, state, starts, eps, residual, *mix):
         B, T, C = x.shape
         index_offsets(B, T, C)
-        cdt, _ = compute_dtype(x.dtype)
+        cdt, _ = tr.compute_dtype(x.dtype)
         ins = [t.detach() for t in (x, weight, bias)]
         rows = mix_rows(mix)
         s0 = state.detach().to(cdt)

@@ -24,19 +24,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    CHUNK,
-    cast_back,
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    prepare,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 
 if triton is not None:
 
@@ -201,13 +190,13 @@ def _block(C: int) -> int:
 def index_offsets(B: int, T: int, C: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index (int64 bases); refuses sizes they
     cannot index. C = H * N, the channels."""
-    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    BC, NC = _block(C), triton.cdiv(T, tr.CHUNK)
     buffers = {
         "k, v, y": (B, T, C),
         "state snapshots": (B, NC, 3, C),
-        "scratch": (B * triton.cdiv(C, BC), CHUNK, 3, BC),
+        "scratch": (B * triton.cdiv(C, BC), tr.CHUNK, 3, BC),
     }
-    return check_offsets("wkv4 triton", buffers, tile=CHUNK * 3 * BC)
+    return tr.check_offsets("wkv4 triton", buffers, tile=tr.CHUNK * 3 * BC)
 
 
 @triton_op("rwkvx::wkv4_triton_fwd")
@@ -220,14 +209,14 @@ def wkv4_triton_fwd(
     B, T, H, N = k.shape
     C = H * N
     w, u, k, v, aa, bb, pp = (x.contiguous() for x in (w, u, k, v, aa, bb, pp))
-    _, DT = compute_dtype(k.dtype)
-    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    _, DT = tr.compute_dtype(k.dtype)
+    BC, NC = _block(C), triton.cdiv(T, tr.CHUNK)
     y = torch.empty_like(k)
     s_out = [torch.empty_like(aa) for _ in range(3)]
     snaps = aa.new_empty(B, NC, 3, C)
     flags = k if starts is None else starts.contiguous()
     wrap_triton(_fwd_kernel)[(B, triton.cdiv(C, BC))](
-        w, u, k, v, aa, bb, pp, flags, y, *s_out, snaps, T, C, BC, CHUNK, NC, starts is not None, DT
+        w, u, k, v, aa, bb, pp, flags, y, *s_out, snaps, T, C, BC, tr.CHUNK, NC, starts is not None, DT
     )
     return (y, *s_out, snaps)
 
@@ -256,18 +245,18 @@ def wkv4_triton_bwd(
     w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp = (
         x.contiguous() for x in (w, u, k, v, aaT, bbT, snaps, dy, daa, dbb, dpp)
     )
-    cdt, DT = compute_dtype(k.dtype)
-    BC, NC = _block(C), triton.cdiv(T, CHUNK)
+    cdt, DT = tr.compute_dtype(k.dtype)
+    BC, NC = _block(C), triton.cdiv(T, tr.CHUNK)
     grid = (B, triton.cdiv(C, BC))
-    empty = compute_empty(cdt, k.device)
-    scratch = empty(B * grid[1] * CHUNK * 3 * BC)
+    empty = tr.compute_empty(cdt, k.device)
+    scratch = empty(B * grid[1] * tr.CHUNK * 3 * BC)
     dk, dv = empty(B, T, H, N), empty(B, T, H, N)
     ds0 = [empty(B, H, N) for _ in range(3)]
     dw_rows, du_rows = empty(B, H, N), empty(B, H, N)
     flags = k if starts is None else starts.contiguous()
     wrap_triton(_bwd_kernel)[grid](
         w, u, k, v, aaT, bbT, snaps, flags, dy, daa, dbb, dpp, scratch, dk, dv, *ds0, dw_rows, du_rows,
-        T, C, BC, CHUNK, NC, starts is not None, DT,
+        T, C, BC, tr.CHUNK, NC, starts is not None, DT,
     )  # fmt: skip
     return (dw_rows.sum(0), du_rows.sum(0), dk, dv, *ds0)
 
@@ -278,7 +267,7 @@ class _WKV4Triton(torch.autograd.Function):
         B, T, H, N = k.shape
         C = H * N
         index_offsets(B, T, C)  # before any copy or allocation
-        ins, s0, _, _ = prepare((w, u, k, v), (aa, bb, pp), k.dtype)
+        ins, s0, _, _ = tr.prepare((w, u, k, v), (aa, bb, pp), k.dtype)
         y, aaT, bbT, ppT, snaps = torch.ops.rwkvx.wkv4_triton_fwd(*ins, *s0, starts)
         ctx.save_for_backward(*ins, aaT, bbT, snaps, starts)
         ctx.dtypes = (w.dtype, u.dtype, k.dtype, v.dtype, aa.dtype, bb.dtype, pp.dtype)
@@ -287,9 +276,9 @@ class _WKV4Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, daa, dbb, dpp):
         w, u, k, v, aaT, bbT, snaps, starts = ctx.saved_tensors
-        (dy,), dstate, _, _ = prepare((dy,), (daa, dbb, dpp), k.dtype)
+        (dy,), dstate, _, _ = tr.prepare((dy,), (daa, dbb, dpp), k.dtype)
         grads = torch.ops.rwkvx.wkv4_triton_bwd(w, u, k, v, aaT, bbT, snaps, dy, *dstate, starts)
-        return (*cast_back(grads, ctx.dtypes), None)
+        return (*tr.cast_back(grads, ctx.dtypes), None)
 
 
 def wkv4_triton(w, u, k, v, state, *, starts=None):

@@ -59,19 +59,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (
-    CHUNK,
-    cast_back,
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    prepare,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import CHUNK, tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 
 __all__ = ["CHUNK", "unavailable", "wkv7_triton_chunked"]
 
@@ -443,7 +432,7 @@ def _intra(ins, NC: int, cdt: torch.dtype, DT, prec: str) -> list[torch.Tensor]:
     r, w, k, _, a, b = ins
     B, T, H, N = r.shape
     BK, BKC, _ = _blocks(N)
-    empty = compute_empty(cdt, r.device)
+    empty = tr.compute_empty(cdt, r.device)
     mats = [empty(B * H, NC, CHUNK, CHUNK) for _ in range(4)]
     rows = [empty(B * H, NC * CHUNK, N) for _ in range(4)]
     ecl = empty(B * H, NC, N)
@@ -467,7 +456,7 @@ def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     }
     if B * H > GRID_YZ_MAX:  # the kernels put B * H on the grid's y axis
         raise ValueError(f"wkv7 triton_chunked: B * H = {B * H} passes the CUDA grid's {GRID_YZ_MAX} on its y axis")
-    return check_offsets("wkv7 triton_chunked", buffers, tile=N * N)
+    return tr.check_offsets("wkv7 triton_chunked", buffers, tile=N * N)
 
 
 @triton_op("rwkvx::wkv7_triton_chunked_fwd")
@@ -480,14 +469,14 @@ def wkv7_triton_chunked_fwd(
     B, T, H, N = r.shape
     r, w, k, v, a, b, s0 = (x.contiguous() for x in (r, w, k, v, a, b, s0))
     ins = (r, w, k, v, a, b)
-    cdt, DT = compute_dtype(r.dtype)
+    cdt, DT = tr.compute_dtype(r.dtype)
     prec = _dot_precision(r.dtype)
     BK, _, BV = _blocks(N)
     NC = triton.cdiv(T, CHUNK)
     consts = _intra(ins, NC, cdt, DT, prec)
     # y in the compute dtype, rounded to the input dtype by torch (round-to-nearest-even;
     # Triton's interpreter truncates fp32 -> bf16)
-    y = compute_empty(cdt, r.device)(B, T, H, N)
+    y = tr.compute_empty(cdt, r.device)(B, T, H, N)
     snaps = s0.new_empty(B, H, NC + 1, N, N)
     s_out = torch.empty_like(s0)
     wrap_triton(_fwd_state_kernel)[(B * H, triton.cdiv(N, BV))](
@@ -505,12 +494,12 @@ def wkv7_triton_chunked_bwd(
     compute dtype."""
     B, T, H, N = r.shape
     r, w, k, v, a, b, snaps, dy, ds_out = (x.contiguous() for x in (r, w, k, v, a, b, snaps, dy, ds_out))
-    cdt, DT = compute_dtype(r.dtype)
+    cdt, DT = tr.compute_dtype(r.dtype)
     prec = _dot_precision(r.dtype)
     BK, BKC, BV = _blocks(N)
     NC = triton.cdiv(T, CHUNK)
     consts = _intra((r, w, k, v, a, b), NC, cdt, DT, prec)
-    empty = compute_empty(cdt, r.device)
+    empty = tr.compute_empty(cdt, r.device)
     U = empty(B * H, NC * CHUNK, N)
     dX = empty(B * H, NC * CHUNK, N)
     dsnaps = empty(B, H, NC, N, N)
@@ -534,7 +523,7 @@ class _WKV7TritonChunked(torch.autograd.Function):
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), _, _ = prepare((r, w, k, v, a, b), (state,), r.dtype)
+        ins, (s0,), _, _ = tr.prepare((r, w, k, v, a, b), (state,), r.dtype)
         y, snaps, s_out = torch.ops.rwkvx.wkv7_triton_chunked_fwd(*ins, s0)
         ctx.save_for_backward(*ins, snaps)
         ctx.state_dtype = state.dtype
@@ -544,9 +533,9 @@ class _WKV7TritonChunked(torch.autograd.Function):
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
         r = ins[0]
-        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), r.dtype)
+        (dy,), (ds_out,), _, _ = tr.prepare((dy,), (ds_out,), r.dtype)
         grads = torch.ops.rwkvx.wkv7_triton_chunked_bwd(*ins, snaps, dy, ds_out)
-        return cast_back(grads, (r.dtype,) * 6 + (ctx.state_dtype,))
+        return tr.cast_back(grads, (r.dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton_chunked(r, w, k, v, a, b, state):

@@ -22,21 +22,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from rwkvx_cli.ops._triton import (  # noqa: F401  (unavailable: re-exported)
-    CHUNK,
-    cast_back,
-    check_offsets,
-    compute_dtype,
-    compute_empty,
-    fused_state_offsets,
-    prepare,
-    state_blocks,
-    tl,
-    triton,
-    triton_op,
-    unavailable,
-    wrap_triton,
-)
+from rwkvx_cli.ops import _triton as tr
+from rwkvx_cli.ops._triton import tl, triton, triton_op, unavailable, wrap_triton  # noqa: F401  (re-exported)
 
 if triton is not None:
 
@@ -145,7 +132,7 @@ if triton is not None:
 
 def index_offsets(B: int, T: int, H: int, N: int) -> dict[str, int]:
     """The largest offset into each buffer the kernels index; refuses sizes they cannot index."""
-    return fused_state_offsets("wkv7 triton", B, T, H, N)
+    return tr.fused_state_offsets("wkv7 triton", B, T, H, N)
 
 
 @triton_op("rwkvx::wkv7_triton_fwd")
@@ -156,13 +143,13 @@ def wkv7_triton_fwd(
     the compute dtype. Returns (y in the inputs' dtype, state_out, snapshots [B, H, NC, N, N])."""
     B, T, H, N = r.shape
     r, w, k, v, a, b, s0 = (x.contiguous() for x in (r, w, k, v, a, b, s0))
-    _, DT = compute_dtype(r.dtype)
-    BK, BV, NV = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
+    _, DT = tr.compute_dtype(r.dtype)
+    BK, BV, NV = tr.state_blocks(N)
+    NC = triton.cdiv(T, tr.CHUNK)
     y = torch.empty_like(r)
     s_out = torch.empty_like(s0)
     snaps = s0.new_empty(B, H, NC, N, N)
-    wrap_triton(_fwd_kernel)[(B * H, NV)](r, w, k, v, a, b, s0, y, s_out, snaps, T, H, N, BK, BV, CHUNK, NC, DT)
+    wrap_triton(_fwd_kernel)[(B * H, NV)](r, w, k, v, a, b, s0, y, s_out, snaps, T, H, N, BK, BV, tr.CHUNK, NC, DT)
     return y, s_out, snaps
 
 
@@ -175,18 +162,18 @@ def wkv7_triton_bwd(
     compute dtype (the column gradients summed over the row blocks' partials)."""
     B, T, H, N = r.shape
     r, w, k, v, a, b, snaps, dy, ds_out = (x.contiguous() for x in (r, w, k, v, a, b, snaps, dy, ds_out))
-    cdt, DT = compute_dtype(r.dtype)
-    BK, BV, NV = state_blocks(N)
-    NC = triton.cdiv(T, CHUNK)
-    empty = compute_empty(cdt, dy.device)
-    scratch = empty(B * H * NV * CHUNK * BV * BK)
-    scratch_sa = empty(B * H * NV * CHUNK * BV)
+    cdt, DT = tr.compute_dtype(r.dtype)
+    BK, BV, NV = tr.state_blocks(N)
+    NC = triton.cdiv(T, tr.CHUNK)
+    empty = tr.compute_empty(cdt, dy.device)
+    scratch = empty(B * H * NV * tr.CHUNK * BV * BK)
+    scratch_sa = empty(B * H * NV * tr.CHUNK * BV)
     dv = empty(B, T, H, N)
     ds0 = empty(B, H, N, N)
     partials = [empty(NV, B, T, H, N) for _ in range(5)]  # dr, dw, dk, da, db
     wrap_triton(_bwd_kernel)[(B * H, NV)](
         r, w, k, v, a, b, snaps, dy, ds_out, scratch, scratch_sa, dv, ds0, *partials,
-        T, H, B * T * H * N, N, BK, BV, CHUNK, NC, NV, DT,
+        T, H, B * T * H * N, N, BK, BV, tr.CHUNK, NC, NV, DT,
     )  # fmt: skip
     dr, dw, dk, da, db = (p.sum(0) for p in partials)
     return dr, dw, dk, dv, da, db, ds0
@@ -197,7 +184,7 @@ class _WKV7Triton(torch.autograd.Function):
     def forward(ctx, r, w, k, v, a, b, state):
         B, T, H, N = r.shape
         index_offsets(B, T, H, N)  # before any copy or allocation
-        ins, (s0,), _, _ = prepare((r, w, k, v, a, b), (state,), r.dtype)
+        ins, (s0,), _, _ = tr.prepare((r, w, k, v, a, b), (state,), r.dtype)
         y, s_out, snaps = torch.ops.rwkvx.wkv7_triton_fwd(*ins, s0)
         ctx.save_for_backward(*ins, snaps)
         ctx.state_dtype = state.dtype
@@ -206,10 +193,10 @@ class _WKV7Triton(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dy, ds_out):
         *ins, snaps = ctx.saved_tensors
-        (dy,), (ds_out,), _, _ = prepare((dy,), (ds_out,), ins[0].dtype)
+        (dy,), (ds_out,), _, _ = tr.prepare((dy,), (ds_out,), ins[0].dtype)
         grads = torch.ops.rwkvx.wkv7_triton_bwd(*ins, snaps, dy, ds_out)
         dtype = ins[0].dtype
-        return cast_back(grads, (dtype,) * 6 + (ctx.state_dtype,))
+        return tr.cast_back(grads, (dtype,) * 6 + (ctx.state_dtype,))
 
 
 def wkv7_triton(r, w, k, v, a, b, state):
