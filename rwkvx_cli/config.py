@@ -61,6 +61,10 @@ LAYER_KINDS = ("rwkv7", "moba", "rwkv4", "gdn", "kda", "rwkv8")
 
 # train.precision (train/precision.py): auto = bf16-mixed on CUDA, fp32 on the CPU.
 PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
+# train.optimizer (models/optimizer.py), train.lr_schedule and train.decay_shape (train/schedule.py).
+OPTIMIZERS = ("adamw", "muon")
+SCHEDULES = ("cosine", "wsd")
+DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
 
 # RWKV-LM's ln_x (GroupNorm) eps: model.ln_x_eps's default.
 LN_X_EPS = 64e-5
@@ -174,6 +178,19 @@ class TrainConfig:
     weight_decay: float = 0.1
     betas: tuple[float, float] = (0.9, 0.99)
     eps: float = 1e-18
+    # "adamw": RWKV-LM's recipe. "muon": Muon for the blocks' hidden matrices (linear layers; the LoRA
+    # factors too with muon_lora), AdamW for the rest, one lr / schedule / weight decay for both
+    # (Moonshot's update scale; models/optimizer.py, docs/training.md#muon).
+    optimizer: str = "adamw"
+    muon_momentum: float = 0.95
+    muon_ns_steps: int = 5  # Newton-Schulz iterations per update
+    muon_lora: bool = False
+    # The learning rate after warmup: "cosine" decays to lr_final over the whole run; "wsd"
+    # (warmup-stable-decay) holds train.lr and decays to lr_final over the last decay_tokens
+    # (0: a fifth of the run), shaped by decay_shape: linear, 1-sqrt or cosine (train/schedule.py).
+    lr_schedule: str = "cosine"
+    decay_tokens: int = 0
+    decay_shape: str = "1-sqrt"
     grad_clip: float = 1.0
     seed: int = 0
     eval_interval: int = 100  # steps
@@ -224,6 +241,12 @@ class TrainConfig:
     # Start from these weights instead of the seeded init: a checkpoint or run directory,
     # a .safetensors file, or an RWKV-LM .pth state dict (loaded with weights_only=True).
     init_from: str = ""
+    # Branch a decay: continue another run's checkpoint (a checkpoint directory, or a run directory: its
+    # newest good one) from its stable phase (train.lr_schedule=wsd) in this run directory, with its
+    # weights, optimizer state, data position and RNG, decaying over train.decay_tokens from there
+    # (train.tokens becomes the checkpoint's tokens + decay_tokens, whatever is given, also when the
+    # branch resumes). The source run is only read.
+    decay_from: str = ""
     # Without a terminal (nohup, SLURM, a pipe): one plain progress line every log_interval steps
     # (and the last); on a terminal the live view shows every step.
     log_interval: int = 10  # steps
@@ -296,6 +319,14 @@ class Config:
             (all(0 <= b < 1 for b in t.betas), "train.betas", "must be in [0, 1)"),
             (t.eps >= 0, "train.eps", "must be >= 0"),
             (t.grad_clip > 0, "train.grad_clip", "must be > 0"),
+            (t.optimizer in OPTIMIZERS, "train.optimizer", f"{t.optimizer!r} is not one of {', '.join(OPTIMIZERS)}"),
+            (0 <= t.muon_momentum < 1, "train.muon_momentum", "must be in [0, 1)"),
+            (1 <= t.muon_ns_steps <= 20, "train.muon_ns_steps", "must be from 1 to 20"),
+            (t.lr_schedule in SCHEDULES, "train.lr_schedule",
+             f"{t.lr_schedule!r} is not one of {', '.join(SCHEDULES)}"),
+            (t.decay_shape in DECAY_SHAPES, "train.decay_shape",
+             f"{t.decay_shape!r} is not one of {', '.join(DECAY_SHAPES)}"),
+            (t.decay_tokens >= 0, "train.decay_tokens", "must be >= 0 (0: the last fifth of the run)"),
             (t.eval_tokens >= 1, "train.eval_tokens", "must be >= 1"),
             (t.keep_last >= 1, "train.keep_last", "must be >= 1"),
             (t.eval_interval >= 1, "train.eval_interval", "must be >= 1"),
@@ -317,6 +348,14 @@ class Config:
             *self._vocabulary_checks(written),
             (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
             (t.chunk_len >= 0, "train.chunk_len", "must be >= 0 (0: off)"),
+        ]
+        checks += [
+            (not t.decay_from or t.lr_schedule == "wsd", "train.decay_from",
+             "branches a warmup-stable-decay run's decay: set train.lr_schedule=wsd"),
+            (not t.decay_from or t.decay_tokens > 0, "train.decay_from",
+             "set train.decay_tokens, the decay's length in tokens from the checkpoint"),
+            (not (t.decay_from and t.init_from), "train.decay_from",
+             "continues a checkpoint's whole training state; train.init_from starts from weights alone: set one"),
         ]
         for ok, name, why in checks:
             if not ok:

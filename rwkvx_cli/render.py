@@ -587,6 +587,13 @@ class TrainConsole:
                 err.print(line)
         elif kind == "initial":
             print_initial(payload)
+        elif kind == "branched":
+            b = payload
+            out.print(
+                f"decaying from {b['from']} (step {b['step']}, {fmt_count(b['tokens'])} tokens) over "
+                f"{fmt_count(b['decay_tokens'])} tokens ({b['shape']})",
+                markup=False,
+            )
         elif kind == "changed":
             changed = ", ".join(f"{k} {old!r} -> {new!r}" for k, (old, new) in payload.items())
             warning(f"continuing with changed settings (--allow-change): {changed}; not an exact resume")
@@ -751,6 +758,13 @@ def render_model_bench(r: dict) -> None:
             f"[bold]this config / GPT tokens/s: {r['rwkv_over_gpt']:.2f}x[/] · GPT: {gpt['shape']} · {r['timing']}"
         )
         out.print(f"[dim]GPT train FLOPs / token = {gpt['flops_formula']}[/]")
+    if r.get("optimizers"):
+        shares = " · ".join(
+            f"{kind} {o['step_ms']:,.1f} ms ({o['share_pct']:.2g}% of a {o['train_step_ms']:,.0f} ms step)"
+            for kind, o in r["optimizers"].items()
+        )
+        accum = f", {r['grad_accum']} micro-batches a step" if r.get("grad_accum", 1) > 1 else ""
+        out.print(f"optimizer step (this run: {r['optimizer']}{accum}): {shares}")
     out.print(f"[dim]{r['mfu_formula']}[/]")
 
 

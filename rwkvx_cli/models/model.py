@@ -5,6 +5,8 @@ init, is in `layers/`."""
 
 from __future__ import annotations
 
+import re
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -216,19 +218,47 @@ def build_model(cfg: ModelConfig, seed: int) -> LM:
     return model
 
 
-def parameter_groups(model: LM, lr: float, weight_decay: float) -> list[dict]:
+# The low-rank factors of the per-channel mixes: RWKV-7's w/a/v/g LoRAs (raw parameters) and KDA's
+# f and g LoRAs (linear layers). Muon takes them only with train.muon_lora (docs/training.md#muon).
+LORA_FACTOR = re.compile(r"\.att\.(?:[wavg][12]|[fg]_[ab]\.weight)$")
+
+
+def muon_matrices(model: LM, lora: bool = False) -> list[str]:
+    """The hidden matrices Muon orthogonalises: every linear layer's weight inside the blocks (time
+    and channel mix projections), and the LoRA factors when `lora`; never the embedding or the head,
+    which are looked up or read out a row at a time rather than mixing a hidden state."""
+    linear = {f"{m}.weight" for m, mod in model.blocks.named_modules() if isinstance(mod, nn.Linear)}
+    names = []
+    for name, p in model.blocks.named_parameters():
+        is_lora = bool(LORA_FACTOR.search("." + name))
+        if p.dim() == 2 and (lora if is_lora else name in linear):
+            names.append(f"blocks.{name}")
+    return names
+
+
+def parameter_groups(
+    model: LM, lr: float, weight_decay: float, muon: bool = False, muon_lora: bool = False
+) -> list[dict]:
     """RWKV-LM's optimizer groups: att.w0 at 2x LR without decay; 2-D `.weight`
-    matrices with weight decay; everything else at 1x LR without decay."""
-    decay, w0, rest = [], [], []
+    matrices with weight decay; everything else at 1x LR without decay. With `muon`, a fourth group
+    (`"muon": True`, decayed) takes the hidden matrices (muon_matrices) out of the other three."""
+    taken = set(muon_matrices(model, muon_lora)) if muon else set()
+    decay, w0, rest, matrices = [], [], [], []
     for name, p in model.named_parameters():
-        if name.endswith("att.w0"):
+        if name in taken:
+            matrices.append(p)
+        elif name.endswith("att.w0"):
             w0.append(p)
         elif p.squeeze().dim() >= 2 and name.endswith(".weight") and weight_decay > 0:
             decay.append(p)
         else:
             rest.append(p)
-    return [
+    groups = [
         {"params": rest, "lr_scale": 1.0, "weight_decay": 0.0, "name": "1x"},
         {"params": w0, "lr_scale": 2.0, "weight_decay": 0.0, "name": "w0_2x"},
         {"params": decay, "lr_scale": 1.0, "weight_decay": weight_decay, "name": "decay"},
     ]
+    if muon:
+        groups = [{**g, "muon": False} for g in groups]
+        groups.append({"params": matrices, "lr_scale": 1.0, "weight_decay": weight_decay, "name": "muon", "muon": True})
+    return groups

@@ -36,6 +36,11 @@ memory measured: `chunked_over_unchunked` = chunked step time / unchunked step t
 model with its own optimizer, interleaved the same way, its memory measured: `fused_speedup` =
 unfused step time / fused step time.
 
+Every run also times one optimizer step of each optimizer (train.optimizer: adamw, muon) on the
+gradients of one micro-batch, interleaved over the rounds (medians), and reports each one's share of
+a training step of the config with it: train.grad_accum micro-batch steps (forward and backward) and
+one optimizer step (`optimizers`; the weights are put back after).
+
 Every run also counts the ops a block dispatches in one forward + backward (tools/op_count.py):
 `ops_per_block` for this config's model, and with `vs_unfused` / `vs_gpt` for the unfused model
 and the GPT.
@@ -51,9 +56,10 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.config import load_config
+from rwkvx_cli.config import OPTIMIZERS, load_config
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models import build_model, document_starts, parameter_groups
+from rwkvx_cli.models import optimizer as optimizers
 from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.models.model import layer_kinds
@@ -138,7 +144,7 @@ def bench_model(
     runtime.apply()
     mode = runtime.precision
     l2wrap = uses_l2wrap(tc.l2wrap, model.kinds)
-    opt = adamw(parameter_groups(model, tc.lr, tc.weight_decay), tc.lr, tc.betas, tc.eps)
+    opt = _optimizer(model, tc, tc.optimizer)
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
@@ -190,6 +196,7 @@ def bench_model(
         step_s = (time.perf_counter() - start) / steps
 
     memory = step_memory(step, model, device)
+    optimizer_s = optimizer_steps(model, tc, idx, l2wrap, mode, device, steps, starts)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -239,6 +246,9 @@ def bench_model(
         if given
         else f"mean of {steps} steps",
         "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap),
+        "optimizer": tc.optimizer,
+        "optimizers": optimizer_shares(optimizer_s, step_s, tc.optimizer, tc.grad_accum),
+        "grad_accum": tc.grad_accum,
     }
     if vs_unfused:
         plain_tokens_per_s = B * T / plain_s
@@ -349,6 +359,53 @@ def _train_step(
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def _optimizer(model, tc, kind: str) -> torch.optim.Optimizer:
+    """The trainer's optimizer of `kind` (train.optimizer) over the model's groups."""
+    groups = parameter_groups(model, tc.lr, tc.weight_decay, kind == "muon", tc.muon_lora)
+    return optimizers.build(groups, replace(tc, optimizer=kind))
+
+
+def optimizer_steps(model, tc, idx, l2wrap: bool, mode: str, device, rounds: int, starts=None) -> dict[str, float]:
+    """Median seconds of one optimizer step of each optimizer (OPTIMIZERS) on the gradients of one
+    micro-batch, over `rounds` rounds, interleaved (each round steps every optimizer, in turn order
+    rotating), each optimizer warmed up by one step first (its state allocated)."""
+    for p in model.parameters():
+        p.grad = None
+    with rt.autocast(mode, device):
+        loss, _ = micro_batch_loss(model, idx[:, :-1], idx[:, 1:], None, tc.head, l2wrap, tc.chunk_len, starts)
+    loss.backward()
+    with torch.no_grad():
+        saved = [p.detach().clone() for p in model.parameters()]  # the steps below must not train the model
+    opts = {kind: _optimizer(model, tc, kind) for kind in OPTIMIZERS}
+    times: dict[str, list[float]] = {kind: [] for kind in OPTIMIZERS}
+    for opt in opts.values():
+        opt.step()
+    for i in range(rounds):
+        kinds = OPTIMIZERS[i % len(OPTIMIZERS) :] + OPTIMIZERS[: i % len(OPTIMIZERS)]
+        for kind in kinds:
+            sync(device)
+            start = time.perf_counter()
+            opts[kind].step()
+            sync(device)
+            times[kind].append(time.perf_counter() - start)
+    with torch.no_grad():
+        for p, s in zip(model.parameters(), saved, strict=True):
+            p.copy_(s)
+            p.grad = None
+    return {kind: statistics.median(t) for kind, t in times.items()}
+
+
+def optimizer_shares(optimizer_s: dict[str, float], step_s: float, own: str, accum: int = 1) -> dict[str, dict]:
+    """Each optimizer's step time and its share of a training step of the config with it: `accum`
+    (train.grad_accum) times the benched micro-batch step (which ran `own`) less `own`'s step, plus
+    this optimizer's one step."""
+    rest = max(step_s - optimizer_s[own], 0.0) * accum
+    return {
+        kind: {"step_ms": t * 1e3, "share_pct": t / (rest + t) * 100, "train_step_ms": (rest + t) * 1e3}
+        for kind, t in optimizer_s.items()
+    }
 
 
 def _interleaved(step_a, step_b, rounds: int, device: torch.device) -> tuple[float, float]:

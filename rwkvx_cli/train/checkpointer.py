@@ -242,7 +242,22 @@ class CheckpointManager:
         found = self._newest_good(on_skip)
         if found is None:
             return None
-        path, meta = found
+        return self._load(*found)
+
+    def load_from(self, path: Path) -> Restored:
+        """Load the checkpoint at `path`, a checkpoint directory of another run (`train --decay-from`),
+        verified first by every rank together; nothing there is written, renamed or set aside."""
+        rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
+
+        def verify() -> dict:
+            if (path / "meta.json").is_file() and store.is_sharded(store.read_meta(path)):
+                return sharded.verify(path, (rank, world))[0]
+            return store.verify_step(path) if main else {}
+
+        return self._load(path, sharded.together(verify, lambda why: why))
+
+    def _load(self, path: Path, meta: dict) -> Restored:
+        """Load a verified checkpoint (`meta`: its meta.json on rank 0) into the model and optimizer."""
         if store.is_sharded(meta):  # every rank reads its own rows (load_sharded), whatever number of ranks wrote them
             meta, load = self._sharded_loader(path)
         else:
@@ -385,10 +400,15 @@ OPERATIONAL = frozenset(
         for k in (
             "eval_interval", "eval_tokens", "ckpt_interval", "keep_last", "log_interval", "loggers", "wandb_project",
             "wandb_name", "profile_steps", "nonfinite", "nonfinite_limit", "device", "distributed", "compile",
-            "grad_cp", "init_from", "checkpoint_format", "async_checkpoint",
+            "grad_cp", "init_from", "decay_from", "checkpoint_format", "async_checkpoint",
         )
     }
 )
+
+
+# Settings that decide which optimizer state a tensor has (AdamW's moments or Muon's momentum): a
+# checkpoint's state fits only the optimizer that wrote it, so not even --allow-change changes them.
+OPTIMIZER_KIND = frozenset({"train.optimizer", "train.muon_lora"})
 
 
 # Model settings that choose how the model is computed, not what it is: the weights fit either way,
@@ -416,6 +436,12 @@ def resume_changes(saved: Config, cfg: Config, allowed: Collection[str] = ()) ->
     for key, (old, new) in changes.items():
         if key.startswith("model.") and key not in MODEL_RUNTIME:
             raise ConfigError(f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; the model is fixed")
+        if key in OPTIMIZER_KIND:
+            raise ConfigError(
+                f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; their optimizer state cannot "
+                f"continue under another optimizer: start a new run with train.init_from={cfg.run_dir} (the "
+                "weights, a fresh optimizer)"
+            )
         if key not in allowed:
             raise ConfigError(
                 f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now, which breaks the exact "

@@ -22,8 +22,8 @@ from rwkvx_cli.data.sampler import EpochSampler, MixtureSampler, StreamSampler, 
 from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.evaluation.validation import evaluate
 from rwkvx_cli.models import LM, document_starts, parameter_groups
+from rwkvx_cli.models import optimizer as optimizers
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
-from rwkvx_cli.models.optimizer import adamw
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.layout import checkpoints_dir, metrics_path
@@ -107,17 +107,13 @@ class Trainer:
         names = {id(p): n for n, p in self.model.named_parameters()}
         groups = [
             {**g, "params": [names[id(p)] for p in g["params"]]}
-            for g in parameter_groups(self.model, t.lr, t.weight_decay)
+            for g in parameter_groups(self.model, t.lr, t.weight_decay, t.optimizer == "muon", t.muon_lora)
         ]
         self.runtime.apply()
         self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
         params = dict(self.model.named_parameters())
-        self.optimizer = adamw(
-            [{**g, "params": [params[n] for n in g["params"]]} for g in groups],
-            t.lr,
-            t.betas,
-            t.eps,
-            sharded=distributed.sharded(self.model),
+        self.optimizer = optimizers.build(
+            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, distributed.sharded(self.model)
         )
         self.sampler = make_sampler(cfg, train_tokens, self.global_rows)
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
@@ -173,13 +169,21 @@ class Trainer:
         one is reported to `on_skip(path, reason)`, set aside, and skipped."""
         restored = self.checkpoints.load_latest(on_skip)
         if restored is not None:
-            self.step, self.tokens_done, self.skipped_steps = restored.step, restored.tokens, restored.skipped_steps
-            self.nonfinite_in_row = restored.nonfinite_in_row
-            if restored.carry is not None:
-                self.carry = restored.carry
+            self._continue(restored)
         # Rank 0's log, agreed: also the steps logged before a crash that left no checkpoint.
         distributed.agreed(lambda: self.metrics.truncate(self.step))
         return self.step
+
+    def branch_from(self, path: Path) -> int:
+        """Continue another run's checkpoint at `path` here (train.decay_from); returns its step."""
+        self._continue(self.checkpoints.load_from(path))
+        return self.step
+
+    def _continue(self, restored) -> None:
+        self.step, self.tokens_done, self.skipped_steps = restored.step, restored.tokens, restored.skipped_steps
+        self.nonfinite_in_row = restored.nonfinite_in_row
+        if restored.carry is not None:
+            self.carry = restored.carry
 
     def load_initial(self, weights: dict, source: str) -> None:
         """Start from weights elsewhere (train.init_from, read by runs/initial.py)."""
@@ -190,7 +194,7 @@ class Trainer:
         """One optimizer step; returns (loss, lr, grad norm, applied). A step whose loss or gradient
         norm is not finite is not applied (train.nonfinite=skip) or raises NonFiniteError."""
         t = self.cfg.train
-        lr = lr_at(self.tokens_done, t.lr, t.lr_final, t.warmup_tokens, t.tokens)
+        lr = lr_at(self.tokens_done, t)
         for g in self.optimizer.param_groups:
             g["lr"] = lr * g["lr_scale"]
         x, y = self.sampler.batch(self.step, self.dist.rank, self.dist.world_size)

@@ -10,6 +10,7 @@ finished run plots the losses, validates, and samples a little text. It reports 
     "changed"   dict           --resume --allow-change: {setting: (the checkpoint's value, this run's)}
     "init_only" dict           --resume gave other INIT_ONLY settings: {setting: (the run's, kept; the one given)}
     "initial"   dict           train.init_from was loaded (start_report: its sizes, an upcycle's plan)
+    "branched"  dict           train.decay_from's checkpoint was loaded: from, step, tokens, decay_tokens, shape
     "start"     TrainStart     the model is built and the loop is about to begin
     "step", "skipped"   StepMetrics   from the loop (train/loop.py)
     "checkpoint"  int            the step of a checkpoint now on disk
@@ -42,15 +43,17 @@ from rwkvx_cli.runs.initial import Start, plan_start, plan_summary, sizes_from, 
 from rwkvx_cli.runs.layout import checkpoints_dir, config_path, loss_plot_path, metrics_path, tokenizer_path
 from rwkvx_cli.runs.lock import LOCK_NAME, hold_run
 from rwkvx_cli.runs.memory import check_model, check_training
+from rwkvx_cli.runs.opening import Checkpoint, find_checkpoint
 from rwkvx_cli.runs.tokenizers import check_same_tokenizer
 from rwkvx_cli.runs.weights import load_into
 from rwkvx_cli.train import distributed
-from rwkvx_cli.train.checkpointer import resume_changes
+from rwkvx_cli.train.checkpointer import resume_changes, tokens_trained
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import check_available as check_loggers
 from rwkvx_cli.train.loop import Trainer
 from rwkvx_cli.train.metrics import StepMetrics
 from rwkvx_cli.train.plot import plot_losses
+from rwkvx_cli.train.schedule import decay_start
 from rwkvx_cli.train.signals import GracefulStop
 
 # The sample printed at the end of a finished run: a continuation of a newline.
@@ -227,13 +230,18 @@ def _saved_config(run_dir: Path) -> Config | None:
 
 def _plan_start(
     cfg: Config, resume: bool, dist: DistInfo, run_dir: Path, allow_change, on_skip=None
-) -> tuple[Start | None, dict]:
+) -> tuple[Start | None, dict, Checkpoint | None]:
     """The checks every rank makes before any file is written: (train.init_from's plan, the settings a
-    resume changes); `on_skip`: see plan_start."""
+    resume changes, train.decay_from's checkpoint); `on_skip`: see plan_start."""
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
     saved = _saved_config(run_dir) if resume else None
-    start = None
+    start = branch = None
+    if cfg.train.decay_from and saved is None:  # a branch that has not written a checkpoint yet
+        branch = plan_decay(cfg, run_dir, on_skip)
+        saved, allow_change = branch.config, {*allow_change, *DECAY_SETTINGS}
+    elif cfg.train.decay_from and saved.train.decay_from:  # a branch resumed: it still ends where its decay does
+        cfg.train.tokens = saved.train.tokens - saved.train.decay_tokens + cfg.train.decay_tokens
     if cfg.train.init_from and saved is not None:
         cfg.model = sizes_from(saved.model, cfg)  # the sizes the weights gave when the run began
     elif cfg.train.init_from:
@@ -245,13 +253,40 @@ def _plan_start(
             "the corpus is not prepared, and a multi-process train does not prepare it (the other ranks would "
             f"wait and time out); run {prepare_command(cfg, run_dir)}"
         )
-    return start, changes
+    return start, changes, branch
+
+
+# What a decay branch sets apart from the run it continues: the decay's length, shape and end rate.
+DECAY_SETTINGS = frozenset({"train.decay_tokens", "train.decay_shape", "train.lr_final"})
+
+
+def plan_decay(cfg: Config, run_dir: Path, on_skip=None) -> Checkpoint:
+    """The checkpoint train.decay_from names (a run's newest good one; `on_skip` hears of a damaged newer
+    one passed over), checked to lie in the stable phase of a warmup-stable-decay run other than this one;
+    cfg.train.tokens becomes its tokens + train.decay_tokens."""
+    source = Path(cfg.train.decay_from)
+    ckpt = find_checkpoint(source, on_skip)
+    if ckpt.run_dir.resolve() == run_dir.resolve():
+        raise UsageError(f"train.decay_from: {ckpt.path} is this run's own; a decay branches into a new run_dir")
+    src, tokens = ckpt.config.train, tokens_trained(ckpt.meta)
+    if src.lr_schedule != "wsd":
+        raise UsageError(
+            f"train.decay_from: {ckpt.path} is of a {src.lr_schedule} run; a decay branches from the stable phase "
+            "of a warmup-stable-decay run (train.lr_schedule=wsd)"
+        )
+    if not src.warmup_tokens <= tokens <= decay_start(src):
+        raise UsageError(
+            f"train.decay_from: {ckpt.path} ({tokens:,} tokens) is outside its run's stable phase "
+            f"({src.warmup_tokens:,} to {decay_start(src):,} tokens)"
+        )
+    cfg.train.tokens = tokens + cfg.train.decay_tokens
+    return ckpt
 
 
 # Settings that decide only how a run starts (the init's key gain, the weights it starts from): a resume
 # may give other values (train/checkpointer.py's OPERATIONAL), which change nothing it computes, so the
 # run keeps the ones it started with, in config.yaml and every checkpoint, and says so.
-INIT_ONLY = ("model.ffn_key_gain", "train.init_from")
+INIT_ONLY = ("model.ffn_key_gain", "train.init_from", "train.decay_from")
 
 
 def keep_init_settings(saved: Config | None, cfg: Config) -> dict[str, tuple]:
@@ -279,7 +314,7 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
             return plan, None
         return plan, open_run(cfg, run_dir, data_progress, lambda stats: emit("prepared", stats))
 
-    (start, changes), opened = distributed.agreed(first)
+    (start, changes, branch), opened = distributed.agreed(first)
 
     def then():  # the other ranks open what rank 0 wrote; the initial weights are read before the model is wrapped
         data, model = opened if dist.is_main else (ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed))
@@ -308,6 +343,11 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
     if trainer.step == 0 and initial is not None:
         trainer.load_initial(initial, start.source)
         emit("initial", start_report(start))
+    if trainer.step == 0 and branch is not None:
+        trainer.branch_from(branch.path)
+        note = {"event": "decay", "from": str(branch.path), "step": trainer.step, "tokens": trainer.tokens_done}
+        distributed.agreed(lambda: trainer.metrics.note(note))
+        emit("branched", {**note, "decay_tokens": cfg.train.decay_tokens, "shape": cfg.train.decay_shape})
     emit("start", TrainStart(model_summary(model), trainer.device, trainer.last_step))
     with GracefulStop() as stop:
         last = trainer.run(on_event, should_stop=lambda: stop.requested)

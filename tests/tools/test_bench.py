@@ -87,6 +87,15 @@ def test_bench_model(tmp_path):
     parts = ("recurrence_pct", "matmul_pct", "fused_pct", "other_pct")
     assert abs(sum(data[p] for p in parts) - 100) < 1e-6
     assert data["recurrence_pct"] > 0 and data["matmul_pct"] > 0
+    # each optimizer's step, and its share of a training step with it (the benched one ran AdamW)
+    opts = data["optimizers"]
+    assert data["optimizer"] == "adamw" and set(opts) == {"adamw", "muon"}
+    for o in opts.values():
+        assert o["step_ms"] > 0 and 0 < o["share_pct"] < 100
+        assert o["share_pct"] == pytest.approx(o["step_ms"] / o["train_step_ms"] * 100)
+    no_optimizer = opts["adamw"]["train_step_ms"] - opts["adamw"]["step_ms"]
+    assert opts["muon"]["train_step_ms"] - opts["muon"]["step_ms"] == pytest.approx(no_optimizer)
+    assert "optimizer step (this run: adamw): adamw" in result.stdout
 
 
 def test_bench_model_vs_packed_times_document_starts(tmp_path):
