@@ -32,6 +32,21 @@
 #define RWKVX_FP64 1
 #endif
 
+// A kernel defines RWKVX_EXPORT(F, SUFFIX), its extern "C" entry points for one float type
+// (`<op>_forward_##SUFFIX`, ...), and ends with RWKVX_EXPORT_PRECISIONS: those of each
+// precision this build exports.
+#ifdef RWKVX_FP32
+#define RWKVX_EXPORT_F32 RWKVX_EXPORT(float, f32)
+#else
+#define RWKVX_EXPORT_F32
+#endif
+#ifdef RWKVX_FP64
+#define RWKVX_EXPORT_F64 RWKVX_EXPORT(double, f64)
+#else
+#define RWKVX_EXPORT_F64
+#endif
+#define RWKVX_EXPORT_PRECISIONS RWKVX_EXPORT_F32 RWKVX_EXPORT_F64
+
 #ifndef RWKVX_SIMD_BYTES
 #if defined(__AVX512F__)
 #define RWKVX_SIMD_BYTES 64

@@ -131,10 +131,5 @@ extern "C" {
     backward<F>(da, a, dh, (int64_t)rows * cols, threads);                                                \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

@@ -350,7 +350,7 @@ int vectors_for(int N) {
 extern "C" {
 
 // Both return 0, or -1 when N exceeds 32 vectors (512 fp32 / 256 fp64 channels).
-#define RWKVX_DELTA_EXPORT(F, SUFFIX)                                                                              \
+#define RWKVX_EXPORT(F, SUFFIX)                                                                                    \
   int delta_forward_##SUFFIX(const F* q, const F* k, const F* v, const F* A, const F* beta, const F* s0, F* y,    \
                              F* sT, F* snaps, F* w, int B, int T, int H, int N, int G, double scale, int chunk,   \
                              int threads) {                                                                        \
@@ -384,10 +384,5 @@ extern "C" {
     return 0;                                                                                                      \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_DELTA_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_DELTA_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

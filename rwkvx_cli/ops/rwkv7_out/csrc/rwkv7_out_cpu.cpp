@@ -239,10 +239,5 @@ extern "C" {
     backward<F>(y, bonus, g, weight, bias, mean, rstd, dout, dy, dbonus, dg, dweight, dbias, rows, H, N, threads); \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

@@ -417,10 +417,5 @@ extern "C" {
     fn(in, d, g, dw0, da0, dv0, dkk, dka, drk, rows, H, N, threads);                                               \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

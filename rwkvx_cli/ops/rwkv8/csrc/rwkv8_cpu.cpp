@@ -313,10 +313,5 @@ extern "C" {
     fn(q, v, d, snaps, nsnaps, starts, dy, drhoT, dnT, dq, dv, dd, drho0, dn0, B, T, H, Hv, L, E, chunk, threads);   \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

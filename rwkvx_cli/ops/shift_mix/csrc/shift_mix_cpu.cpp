@@ -703,10 +703,5 @@ extern "C" {
                 dmix, dstate, B, T, C, M, threads);                                                                \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }

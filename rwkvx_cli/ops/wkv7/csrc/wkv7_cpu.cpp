@@ -381,10 +381,5 @@ extern "C" {
     fn(r, w, k, v, a, b, snaps, sas, dy, dsT, dr, dw, dk, dv, da, db, ds0, B, T, H, N, chunk, threads);            \
   }
 
-#ifdef RWKVX_FP32
-RWKVX_EXPORT(float, f32)
-#endif
-#ifdef RWKVX_FP64
-RWKVX_EXPORT(double, f64)
-#endif
+RWKVX_EXPORT_PRECISIONS
 }
