@@ -279,6 +279,8 @@ def _map(path: Path, dtype: np.dtype, count: int) -> np.ndarray:
 class BinIdx:
     """A validated, memory-mapped binidx pair. `len()` is the number of tokens."""
 
+    mask: np.ndarray | None = None  # the loss mask (masks.py) of a prepared split that has one: set by its opener
+
     def __init__(self, prefix: str | os.PathLike):
         self.bin_path, self.idx_path = binidx_paths(prefix)
         idx_size = _file_size(self.idx_path, "binidx index")

@@ -7,6 +7,10 @@ of the documents it completed, and what `prepare` records (text bytes, lines, sk
 inside its first document). Task order is document order, so writing the results in task order gives the same bytes
 whatever the number of workers.
 
+With a chat template (`EncoderSpec.template`, template.py) a task also returns its tokens' loss mask, one byte per
+token (1: the token carries loss as a target): a JSONL file of conversations or prompt/response pairs is rendered
+into spans, each tokenized on its own; a document's tokens (and every eod after a document) all carry loss.
+
 The reader side (`unit_tasks`) runs in the main process; a failure it meets (a truncated archive, invalid UTF-8) is a
 `ReadFailure` task, reported in order after every earlier task's result.
 """
@@ -47,6 +51,9 @@ class EncoderSpec:
     max_chars: int
     # The World vocabulary's token bytes by id, so that no worker parses its file (65,536 entries: not in a repr).
     world_table: tuple[bytes, ...] | None = field(default=None, repr=False, compare=False)
+    # The chat template's JSON (template.Template.to_json) when the corpus holds conversations: tasks then
+    # return masks. None: no masks, the tokens of a prepare without templates.
+    template: str | None = None
 
 
 @dataclass(frozen=True)
@@ -56,6 +63,7 @@ class RangeTask:
     path: str
     start: int
     end: int
+    shape: str = "text"  # the file's record shape (template.file_shape)
 
 
 @dataclass(frozen=True)
@@ -63,6 +71,7 @@ class LinesTask:
     """Complete JSONL lines (decompressed)."""
 
     data: bytes
+    shape: str = "text"
 
 
 @dataclass(frozen=True)
@@ -110,6 +119,7 @@ class Encoded:
     first_skipped: tuple[int, str] | None = None  # (line index in the task, or row, reason)
     bad: tuple[int, str] | None = None  # the first bad record without skip_bad: the task stopped there
     forced: int = 0  # forced cuts (no safe point within max_chars)
+    mask: bytes = b""  # with a template: 1 byte per token of `tokens`, 1 where it carries loss
 
 
 class Encoder:
@@ -122,6 +132,11 @@ class Encoder:
         self._code = {"uint16": "H", "int32": "i"}[spec.dtype]
         self._packers: dict[int, struct.Struct] = {}
         self._encode_many = self._encoder(spec, tokenizer)
+        self.template = None
+        if spec.template is not None:
+            from rwkvx_cli.data.template import Template
+
+            self.template = Template.from_json(spec.template)
 
     def _encoder(self, spec: EncoderSpec, tokenizer) -> Callable[[list[str]], tuple[np.ndarray, np.ndarray]]:
         """texts -> (their ids one after another in the output dtype, the id count of each text), from `tokenizer`
@@ -184,14 +199,18 @@ class Encoder:
 
     def run(self, task) -> Encoded:
         if isinstance(task, RangeTask):
-            return self._lines(_read_range(task.path, task.start, task.end))
-        if isinstance(task, LinesTask):
-            return self._lines(task.data)
-        if isinstance(task, PiecesTask):
-            return self._pieces(task)
-        if isinstance(task, RowsTask):
-            return self._rows(task)
-        raise TypeError(f"not a task: {task!r}")
+            out = self._lines(_read_range(task.path, task.start, task.end), task.shape)
+        elif isinstance(task, LinesTask):
+            out = self._lines(task.data, task.shape)
+        elif isinstance(task, PiecesTask):
+            out = self._pieces(task)
+        elif isinstance(task, RowsTask):
+            out = self._rows(task)
+        else:
+            raise TypeError(f"not a task: {task!r}")
+        if self.template is not None and not out.mask and out.tokens:  # documents: every token carries loss
+            out.mask = b"\x01" * (len(out.tokens) // self.dtype.itemsize)
+        return out
 
     # -- documents -> tokens -----------------------------------------------------------------------------------------
 
@@ -248,7 +267,9 @@ class Encoder:
         out.bad = (where, reason)
         return False
 
-    def _lines(self, data: bytes) -> Encoded:
+    def _lines(self, data: bytes, shape: str = "text") -> Encoded:
+        if self.template is not None and shape != "text":
+            return self._records(data, shape)
         out = Encoded()
         lines = data.split(b"\n")
         if lines[-1] == b"":
@@ -265,13 +286,72 @@ class Encoder:
                     text = corpus.record_field(line, field_name)
                 nbytes = len(text) if type(text) is str and text.isascii() else corpus.document_bytes(text, field_name)
             except ValueError as e:
-                if self._record(out, i, str(e)):
+                if self._record(out, i, _mixed(line, field_name) or str(e)):
                     continue
                 break
             docs.append(text)
             out.text_bytes += nbytes
         self._documents(docs, out)
         return out
+
+    def _records(self, data: bytes, shape: str) -> Encoded:
+        """Conversations or prompt/response pairs (JSONL lines of a file of that `shape`) rendered by the template,
+        each followed by the eod id, with their masks."""
+        from rwkvx_cli.data.template import parse_record
+
+        out = Encoded()
+        lines = data.split(b"\n")
+        if lines[-1] == b"":
+            lines.pop()
+        out.lines = len(lines)
+        records = []
+        for i, line in enumerate(lines):
+            if not line or line.isspace():
+                continue
+            try:
+                spans = self.template.record_spans(parse_record(line), shape, self.spec.text_field)
+            except ValueError as e:
+                if self._record(out, i, str(e)):
+                    continue
+                break
+            records.append(spans)
+            out.text_bytes += sum(len(t.encode("utf-8")) for t, _ in spans)
+        self._spans(records, out)
+        return out
+
+    def _spans(self, records: list[list[tuple[str, bool]]], out: Encoded) -> None:
+        """The tokens and masks of `records` (each a list of (text, carries loss) spans) into `out`: each span
+        tokenized on its own (one longer than WHOLE_CHARS in pieces, as a document), each record followed by the
+        eod id, which carries loss when the record's last span does; a record without tokens is left out."""
+        texts: list[str] = []
+        owner: list[int] = []  # the span of each text
+        loss: list[bool] = []  # of each span
+        record: list[int] = []  # of each span
+        for r, spans in enumerate(records):
+            for text, carries in spans:
+                if len(text) > WHOLE_CHARS:
+                    pieces, kinds = self._split(text)
+                    out.forced += kinds.count("forced")
+                else:
+                    pieces = [text]
+                texts += pieces
+                owner += [len(loss)] * len(pieces)
+                loss.append(carries)
+                record.append(r)
+        if not texts:
+            return
+        ids, counts = self._encode_many(texts)
+        if len(texts) > len(loss):
+            counts = np.bincount(np.asarray(owner), weights=counts, minlength=len(loss)).astype(np.int64)
+        flags = np.asarray(loss, dtype=np.uint8)
+        mask = np.repeat(flags, counts)
+        sizes = np.bincount(np.asarray(record), weights=counts, minlength=len(records)).astype(np.int64)
+        last = np.cumsum([len(s) for s in records]) - 1  # each record's last span
+        kept = sizes > 0
+        at = np.cumsum(sizes)[kept]
+        out.tokens = np.insert(ids, at, np.array(self.spec.eod_id, dtype=self.dtype)).tobytes()
+        out.mask = np.insert(mask, at, flags[last[kept]]).tobytes()
+        out.sizes = (sizes[kept] + 1).astype("<i8").tobytes()
 
     def _rows(self, task: RowsTask) -> Encoded:
         out = Encoded()
@@ -296,6 +376,19 @@ class Encoder:
         out.forced = task.kinds.count("forced")
         out.tokens = ids.tobytes()
         return out
+
+
+def _mixed(line: bytes, field_name: str) -> str | None:
+    """Why a record that is not a document is bad in a file of documents: it has another shape."""
+    from rwkvx_cli.data.template import SHAPES, parse_record, record_shape
+
+    try:
+        shape = record_shape(parse_record(line), field_name)
+    except ValueError:
+        return None
+    if shape in (None, "text"):
+        return None
+    return f"{SHAPES[shape]}, in a file of documents (its first record's shape): one shape per file"
 
 
 def _read_range(path: str, start: int, end: int) -> bytes:
@@ -337,11 +430,11 @@ def count_line_starts(path: Path, offset: int) -> int:
 
 def unit_tasks(
     path: Path, start: int, end: int, spec: EncoderSpec, batch_bytes: int, processes: int = 1, first: bool = False,
-    last: bool = False,
+    last: bool = False, shape: str = "text",
 ) -> Iterator[tuple[Task | ReadFailure, int]]:
     """(task, input bytes it accounts for) for bytes [start, end) of one input (a whole file unless it is an
     uncompressed JSONL split by range). `processes` tokenize; `first` / `last`: the job's first / last unit
-    (`ranges`)."""
+    (`ranges`); `shape`: a JSONL file's record shape (template.file_shape)."""
     fmt = corpus.input_format(path)
     if fmt is None:
         yield ReadFailure(f"{path}: unsupported input type; rwkvx reads {corpus.SUPPORTED}"), end - start
@@ -349,9 +442,9 @@ def unit_tasks(
     try:
         if fmt.kind == "jsonl" and fmt.compression is None:
             for a, b in ranges(start, end, batch_bytes, processes, first, last):
-                yield RangeTask(str(path), a, b), b - a
+                yield RangeTask(str(path), a, b, shape), b - a
         elif fmt.kind == "jsonl":
-            yield from _compressed_jsonl_tasks(path, fmt.compression, batch_bytes)
+            yield from _compressed_jsonl_tasks(path, fmt.compression, batch_bytes, shape)
         elif fmt.kind == "text":
             yield from _text_tasks(path, fmt.compression, spec, batch_bytes)
         else:
@@ -383,7 +476,9 @@ def ranges(
         a, size = b, min(batch_bytes, size * 2)
 
 
-def _compressed_jsonl_tasks(path: Path, compression: str, batch_bytes: int) -> Iterator[tuple[LinesTask, int]]:
+def _compressed_jsonl_tasks(
+    path: Path, compression: str, batch_bytes: int, shape: str = "text"
+) -> Iterator[tuple[LinesTask, int]]:
     with open(path, "rb") as f:
         parts: list[bytes] = []
         size = nbytes = 0
@@ -395,13 +490,13 @@ def _compressed_jsonl_tasks(path: Path, compression: str, batch_bytes: int) -> I
                 data = b"".join(parts)
                 end = data.rfind(b"\n") + 1
                 if end:
-                    yield LinesTask(data[:end]), nbytes
+                    yield LinesTask(data[:end], shape), nbytes
                     parts, size, nbytes = [data[end:]], len(data) - end, 0
                 else:
                     parts = [data]  # one line longer than a batch: read on to its end
         data = b"".join(parts)
         if data or nbytes:
-            yield LinesTask(data), nbytes
+            yield LinesTask(data, shape), nbytes
 
 
 def _text_tasks(path: Path, compression: str | None, spec: EncoderSpec, batch_bytes: int) -> Iterator:

@@ -17,6 +17,10 @@ last: a directory with one is complete.
 
 With `num_shards` K > 1, this prepares slice `shard_index` of K disjoint slices of the inputs (`shards.py`); a list of
 the K prepared directories reads as the whole corpus (`prepared.open_prepared`).
+
+A corpus with a JSONL file of conversations or prompt/response pairs (its first record's shape, whatever shard this
+is) is rendered through a chat template (template.py), and every split gets its loss mask beside it (`masks.py`):
+`.prepare/mask.u8` grows with the token stream, and the split copies it as it copies the tokens.
 """
 
 from __future__ import annotations
@@ -56,7 +60,10 @@ from rwkvx_cli.data.encode import (
     unit_tasks,
 )
 from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.data.masks import count as count_loss
+from rwkvx_cli.data.masks import mask_path, open_mask, replacing_mask
 from rwkvx_cli.data.shards import UNIT_BYTES, Unit, corpus_id, plan_units
+from rwkvx_cli.data.template import file_shape, load_template
 from rwkvx_cli.data.tokenizer import NAMES, check_bpe_vocab_size, load_tokenizer, train_tokenizer
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import (
@@ -132,6 +139,9 @@ class PrepareStats:
     shard_index: int = 0
     resumed_bytes: int = 0  # input bytes a resumed run found already tokenized
     resumed_text_bytes: int = 0
+    template: str | None = None  # the chat template's name when the corpus holds conversations (masks written)
+    train_loss_tokens: int | None = None  # tokens that carry loss (with masks)
+    val_loss_tokens: int | None = None
 
     @property
     def mb_per_s(self) -> float:
@@ -163,6 +173,7 @@ def prepare(
     on_progress: Callable[[PrepareProgress], None] | None = None,
     batch_bytes: int = BATCH_BYTES,
     unit_bytes: int = UNIT_BYTES,
+    template: str | os.PathLike | None = "g1",
 ) -> PrepareStats:
     """Tokenize `inputs` into `out_dir/{train,val}.{bin,idx}`, `out_dir/tokenizer.json` and `out_dir/meta.json`.
 
@@ -178,6 +189,10 @@ def prepare(
     only. `resume` continues a prepare of the same inputs and options that was interrupted, after its last
     finished unit (a file, or `unit_bytes` of a JSONL file). The files written are the same for any `workers`,
     `batch_bytes` or interruption. Bad data raises DataError, bad options UsageError.
+
+    `template` (a name, `g1`, or a template file) renders JSONL conversations (`{"messages": [...]}`) and
+    `{"prompt", "response"}` pairs; when any input file holds them, every split gets a loss mask (`masks.py`).
+    None: no template (such records are bad records).
     """
     if not inputs:
         raise UsageError("prepare needs at least one input file")
@@ -193,6 +208,15 @@ def prepare(
     if not isinstance(text_field, str) or not text_field:
         raise UsageError(f"text_field must be a non-empty field name, got {text_field!r}")
     read_options = {"text_field": text_field, "skip_bad": skip_bad}
+    tpl = load_template(template) if template is not None else None
+    shapes = [file_shape(p, text_field) if tpl is not None else "text" for p in inputs]
+    if tpl is None or all(shape == "text" for shape in shapes):
+        tpl = None  # documents only: no masks, the files of a prepare without templates
+    elif tokenizer_kind == "bpe":
+        raise UsageError(
+            "a BPE is trained on documents, not conversations: train it on text (prepare a text corpus with "
+            "--tokenizer bpe) and pass its tokenizer.json"
+        )
     units = plan_units(inputs, sizes, num_shards, shard_index, unit_bytes)
     if min(workers, math.ceil(sum(u.nbytes for u in units) / batch_bytes)) > 1:
         from rwkvx_cli.data.pool import start_forkserver
@@ -211,6 +235,7 @@ def prepare(
         "piece_chars": corpus.PIECE_CHARS,
         "max_chars": corpus._MAX_CARRY,
         "version": META_VERSION,
+        "template": tpl.sha256 if tpl is not None else None,
     }
 
     # Nothing in out_dir changes until the tokenizer is made: a bad one leaves an earlier preparation intact.
@@ -236,6 +261,7 @@ def prepare(
         piece_chars=corpus.PIECE_CHARS,
         max_chars=corpus._MAX_CARRY,
         world_table=tuple(tok.table) if tok.kind == "world" else None,
+        template=tpl.to_json() if tpl is not None else None,
     )
 
     try:
@@ -258,17 +284,21 @@ def prepare(
                 _save_state(work, state)
 
             t0 = time.perf_counter()
-            tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress)
+            tz = _Tokenizing(work, state, dtype, tok, inputs, units, progress, on_progress, shapes, tpl is not None)
             n_workers = min(workers, max(1, math.ceil(tz.bytes_left / batch_bytes)))
             tz.run(spec, n_workers, batch_bytes)
             tokenize_seconds = time.perf_counter() - t0
 
-            split_result = _split(work, out_dir, state, dtype, val_fraction, seed, num_shards > 1, inputs)
+            masked = tpl is not None
+            split_result = _split(work, out_dir, state, dtype, val_fraction, seed, num_shards > 1, inputs, masked)
+            if not masked:  # an earlier preparation's masks do not belong to these tokens
+                for split in ("train", "val"):
+                    mask_path(out_dir / split).unlink(missing_ok=True)
             tok.save(out_dir / "tokenizer.json")
             stats = _finish(
                 out_dir, inputs, sizes, units, state, tok, kind, source, dtype, split_result, rule.name,
                 tokenizer_seconds, tokenize_seconds, val_fraction, seed, text_field, n_workers,
-                num_shards, shard_index, tz.resumed_bytes, tz.resumed_text_bytes,
+                num_shards, shard_index, tz.resumed_bytes, tz.resumed_text_bytes, tpl,
             )
         except DataError:
             # Bad input: nothing worth resuming.
@@ -376,8 +406,9 @@ class _Tokenizing:
     """Tokenizes the remaining units into the work directory: tokens.bin (the stream), docs.i64 (document sizes),
     cuts.i64 (line cuts of the first document), state.json after each unit."""
 
-    def __init__(self, work, state, dtype, tokenizer, inputs, units, progress, on_progress):
+    def __init__(self, work, state, dtype, tokenizer, inputs, units, progress, on_progress, shapes, masked=False):
         self.work, self.state, self.dtype, self.tokenizer = work, state, np.dtype(dtype), tokenizer
+        self.shapes, self.masked = shapes, masked
         self.eod = np.array([tokenizer.eod_id], dtype=self.dtype.newbyteorder("<")).tobytes()
         self.inputs, self.units = inputs, units
         self.progress, self.on_progress = progress, on_progress
@@ -394,6 +425,8 @@ class _Tokenizing:
             "docs.i64": st["documents"] * 8,
             "cuts.i64": st["cuts"] * 8,
         }
+        if self.masked:
+            files["mask.u8"] = st["tokens"]  # a byte per token
         handles = {}
         syncer = None
         try:
@@ -426,7 +459,7 @@ class _Tokenizing:
         for ui in range(first, len(self.units)):
             unit = self.units[ui]
             path = self.inputs[unit.source]
-            edges = {"first": ui == first, "last": ui == len(self.units) - 1}
+            edges = {"first": ui == first, "last": ui == len(self.units) - 1, "shape": self.shapes[unit.source]}
             for task, nbytes in unit_tasks(path, unit.start, unit.end, spec, batch_bytes, processes, **edges):
                 yield task, (ui, nbytes, _kind(task))
                 if isinstance(task, ReadFailure):
@@ -436,6 +469,7 @@ class _Tokenizing:
     def _consume(self, results, handles, syncer: _Syncer) -> None:
         st, item = self.state, self.dtype.itemsize
         tokens_f, docs_f, cuts_f = handles["tokens.bin"], handles["docs.i64"], handles["cuts.i64"]
+        mask_f = handles.get("mask.u8")
         unit_lines = 0
         for result, (ui, nbytes, kind) in results:
             unit = self.units[ui]
@@ -461,6 +495,11 @@ class _Tokenizing:
             n = len(result.tokens) // item
             with names_file(tokens_f.name):
                 tokens_f.write(result.tokens)
+            if mask_f is not None:
+                if len(result.mask) != n:
+                    raise RuntimeError(f"a task returned {len(result.mask)} mask bytes for {n} tokens")
+                with names_file(mask_f.name):
+                    mask_f.write(result.mask)
             if st["documents"] == 0 and result.cuts:  # the first document's line cuts: where a lone one may split
                 cuts_f.write((np.asarray(result.cuts, dtype="<i8") + st["tokens"]).tobytes())
                 st["cuts"] += len(result.cuts)
@@ -470,6 +509,8 @@ class _Tokenizing:
                 if kind == "text-end":
                     if st["open"]:
                         tokens_f.write(self.eod)
+                        if mask_f is not None:
+                            mask_f.write(b"\x01")  # a document's end carries loss, as all of it
                         docs_f.write(np.array([st["open"] + 1], dtype="<i8").tobytes())
                         st["tokens"] += 1
                         st["documents"] += 1
@@ -591,30 +632,37 @@ def _map_i64(path: Path, n: int) -> np.ndarray:
     return np.memmap(path, dtype="<i8", mode="r", shape=(n,)) if n else np.zeros(0, dtype="<i8")
 
 
-def _split(work: Path, out_dir: Path, state: dict, dtype, val_fraction, seed: int, sharded: bool, inputs) -> dict:
-    """Write train/val from the work directory's stream; returns how (the split) and their sizes."""
+def _split(
+    work: Path, out_dir: Path, state: dict, dtype, val_fraction, seed: int, sharded: bool, inputs, masked: bool = False
+) -> dict:
+    """Write train/val from the work directory's stream (and their masks from its mask stream when `masked`);
+    returns how (the split) and their sizes."""
     total, n_docs = state["tokens"], state["documents"]
     if total == 0 and not sharded:
         raise DataError(f"the corpus has no text ({', '.join(str(p) for p in inputs)})")
     n_val = _val_tokens(val_fraction, total) if total else 0
     sizes = _map_i64(work / "docs.i64", n_docs)
     stream = work / "tokens.bin"
+    masks = work / "mask.u8" if masked else None
     if n_val == 0 or n_docs >= 2:
         split = "documents" if n_val else "none"
         is_val = _choose_val_docs(sizes, n_val, seed, work) if n_val else None
-        train = _write_docs(out_dir / "train", stream, dtype, sizes, is_val, False)
-        val = _write_docs(out_dir / "val", stream, dtype, sizes if n_val else sizes[:0], is_val, True)
+        train = _write_docs(out_dir / "train", stream, dtype, sizes, is_val, False, masks=masks)
+        val = _write_docs(out_dir / "val", stream, dtype, sizes if n_val else sizes[:0], is_val, True, masks=masks)
     else:
         cut, split = _cut_single(total, n_val, _map_i64(work / "cuts.i64", state["cuts"]))
-        train = _write_docs(out_dir / "train", stream, dtype, np.array([cut]), None, False)
-        val = _write_docs(out_dir / "val", stream, dtype, np.array([total - cut]), None, False, skip=cut)
+        train = _write_docs(out_dir / "train", stream, dtype, np.array([cut]), None, False, masks=masks)
+        val = _write_docs(out_dir / "val", stream, dtype, np.array([total - cut]), None, False, skip=cut, masks=masks)
     return {"split": split, "train": train, "val": val, "val_requested": n_val}
 
 
-def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip: int = 0) -> tuple[int, int]:
+def _write_docs(
+    prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip: int = 0, masks: Path | None = None
+) -> tuple[int, int, int | None]:
     """Write the documents of the token stream (sizes `sizes`, from token `skip`) for which `mask` is `want` (all
-    when mask is None) as a binidx pair, under temporary names renamed when complete. All of the stream is linked,
-    not copied; a part is copied in the kernel. Returns (documents, tokens)."""
+    when mask is None) as a binidx pair, under temporary names renamed when complete; with `masks` (the stream's
+    loss mask, a byte per token), the same documents' bytes of it as PREFIX.mask. All of a stream is linked, not
+    copied; a part is copied in the kernel. Returns (documents, tokens, tokens that carry loss or None)."""
     dtype, item = np.dtype(dtype), np.dtype(dtype).itemsize
     n = len(sizes)
     chunks = range(0, n, _WRITE_CHUNK)
@@ -626,40 +674,49 @@ def _write_docs(prefix: Path, stream: Path, dtype, sizes, mask, want: bool, skip
     def kept(a: int) -> np.ndarray:
         return np.asarray(sizes[a : a + _WRITE_CHUNK])[keep(a)]
 
+    def copy(src_path: Path, dst_path: Path, item: int) -> int:
+        """The kept documents of `src_path` (`item` bytes a token) into `dst_path`; returns their tokens."""
+        if mask is None and skip == 0 and n and int(np.sum(sizes)) * item == src_path.stat().st_size:
+            dst_path.unlink(missing_ok=True)
+            os.link(src_path, dst_path)
+            return int(np.sum(sizes))
+        tokens = 0
+        with open(src_path, "rb") as src, open(dst_path, "wb") as dst:
+            at = skip
+            for a in chunks:
+                part = np.asarray(sizes[a : a + _WRITE_CHUNK])
+                ends = at + np.cumsum(part)
+                starts = ends - part
+                edges = np.flatnonzero(np.diff(np.concatenate([[False], keep(a), [False]]).astype(np.int8)))
+                for r0, r1 in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
+                    length = int(ends[r1 - 1] - starts[r0])
+                    copy_range(src.fileno(), dst.fileno(), int(starts[r0]) * item, length * item)
+                    tokens += length
+                at = int(ends[-1]) if len(part) else at
+            fsync_file(dst)
+        return tokens
+
     n_keep = sum(int(np.count_nonzero(keep(a))) for a in chunks)
-    tokens = 0
+    loss = None
     bin_path, idx_path = binidx_paths(prefix)
-    with replacing(prefix) as (tmp_bin, tmp_idx), names_file(bin_path):
-        whole = mask is None and skip == 0 and n and int(np.sum(sizes)) * item == stream.stat().st_size
-        if whole:
-            tmp_bin.unlink(missing_ok=True)
-            os.link(stream, tmp_bin)
-            tokens = int(np.sum(sizes))
-        else:
-            with open(stream, "rb") as src, open(tmp_bin, "wb") as dst:
-                at = skip
-                for a in chunks:
-                    part = np.asarray(sizes[a : a + _WRITE_CHUNK])
-                    ends = at + np.cumsum(part)
-                    starts = ends - part
-                    edges = np.flatnonzero(np.diff(np.concatenate([[False], keep(a), [False]]).astype(np.int8)))
-                    for r0, r1 in zip(edges[0::2].tolist(), edges[1::2].tolist(), strict=True):
-                        length = int(ends[r1 - 1] - starts[r0])
-                        copy_range(src.fileno(), dst.fileno(), int(starts[r0]) * item, length * item)
-                        tokens += length
-                    at = int(ends[-1]) if len(part) else at
-                fsync_file(dst)
+    with replacing(prefix) as (tmp_bin, tmp_idx):
+        with names_file(bin_path):
+            tokens = copy(stream, tmp_bin, item)
+        if masks is not None:
+            with replacing_mask(prefix) as tmp_mask, names_file(mask_path(prefix)):
+                copy(masks, tmp_mask, 1)
+                loss = count_loss(np.memmap(tmp_mask, np.uint8, "r") if tokens else np.zeros(0, np.uint8), tmp_mask)
         with names_file(idx_path):
             write_index(tmp_idx, dtype, n_keep, lambda: (kept(a) for a in chunks))
-    return n_keep, tokens
+    return n_keep, tokens, loss
 
 
 def _finish(
     out_dir, inputs, sizes, units, state, tok, kind, source, dtype, result, rule_name, tokenizer_seconds,
     tokenize_seconds, val_fraction, seed, text_field, n_workers, num_shards, shard_index, resumed_bytes,
-    resumed_text_bytes,
+    resumed_text_bytes, template=None,
 ) -> PrepareStats:
-    (train_docs, train_tokens), (val_docs, val_tokens) = result["train"], result["val"]
+    (train_docs, train_tokens, train_loss), (val_docs, val_tokens, val_loss) = result["train"], result["val"]
     total_bytes = sum(u.nbytes for u in units)
     stats = PrepareStats(
         out_dir=out_dir,
@@ -686,6 +743,9 @@ def _finish(
         shard_index=shard_index,
         resumed_bytes=resumed_bytes,
         resumed_text_bytes=resumed_text_bytes,
+        template=template.name if template is not None else None,
+        train_loss_tokens=train_loss,
+        val_loss_tokens=val_loss,
     )
     if num_shards == 1:
         sources = [
@@ -721,11 +781,23 @@ def _finish(
         "cuts": {"rule": rule_name, "forced": stats.forced_cuts},
         "sources": sources,
     }
+    if template is not None:
+        meta["train"]["loss_tokens"], meta["val"]["loss_tokens"] = train_loss, val_loss
+        meta |= template_meta(template)
     if num_shards > 1:
         meta["shard"] = {"index": shard_index, "count": num_shards, "corpus": corpus_id(inputs, sizes)}
     # Written last: a directory with meta.json is complete.
     atomic_write_text(out_dir / "meta.json", json.dumps(meta, indent=2) + "\n")
     return stats
+
+
+def template_meta(template) -> dict:
+    """What meta.json says of a masked preparation: the template that rendered it (name, identity, the whole of
+    it) and the mask files (a byte per token beside each split's .bin)."""
+    return {
+        "template": {"name": template.name, "sha256": template.sha256, "spec": template.as_dict()},
+        "mask": {"suffix": ".mask", "dtype": "uint8"},
+    }
 
 
 def _prepared_here(out_dir: Path) -> bool:
@@ -776,11 +848,32 @@ def read_prepared_meta(data_dir: Path, tokenizer_vocab: int | None = None) -> di
                 f"{path} says {split} holds {tokens} {dtype} tokens; the file holds {len(opened)} {opened.dtype} "
                 "(edited or damaged?); prepare the data again"
             )
+    if "mask" in meta:
+        _check_masks(Path(data_dir), meta)
     return meta
 
 
+def _check_masks(data_dir: Path, meta: dict) -> None:
+    """A masked preparation's template and mask files against its meta.json: each split's mask a byte per
+    token, as many 1s as its `loss_tokens` (reads the masks)."""
+    path = data_dir / "meta.json"
+    template = meta.get("template")
+    if not isinstance(template, dict) or not isinstance(template.get("sha256"), str):
+        raise DataError(f"{path} has loss masks but names no template (edited?); prepare the data again")
+    for split in ("train", "val"):
+        loss = meta[split].get("loss_tokens")
+        if not isinstance(loss, int) or isinstance(loss, bool) or loss < 0:
+            raise DataError(f"{path}: {split!r} does not give its count of loss tokens")
+        found = count_loss(open_mask(data_dir / split, meta[split]["tokens"]), mask_path(data_dir / split))
+        if found != loss:
+            raise DataError(
+                f"{mask_path(data_dir / split)} marks {found} tokens that carry loss, {path} says {loss} (edited or "
+                "damaged?); prepare the data again"
+            )
+
+
 # The files of a prepared directory that only a holder of its lock (_hold: prepare, merge) writes.
-_LOCKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "meta.json")
+_LOCKED_FILES = ("train.bin", "train.idx", "val.bin", "val.idx", "train.mask", "val.mask", "meta.json")
 # Every file rwkvx writes there under a temporary name (fsio.temp_path: .NAME.tmpPID); "tokens": an older
 # prepare's token stream.
 _OWN_FILES = (*_LOCKED_FILES, "tokenizer.json", "source.json", DATA_MARKER, "tokens")

@@ -1,5 +1,6 @@
 """Several prepared directories read as one corpus: the K shards of `prepare --num-shards K`, or any prepared
-directories that share a tokenizer. Nothing is copied: every split stays a memory map of its own file."""
+directories that share a tokenizer. Nothing is copied: every split stays a memory map of its own file, and so does
+its loss mask (masks.py) where it has one."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ import numpy as np
 
 from rwkvx_cli.data.binidx import BinIdx, _check_vocab
 from rwkvx_cli.data.errors import DataError
+from rwkvx_cli.data.masks import ones, open_mask
 
 
 class TokenChain:
@@ -21,6 +23,8 @@ class TokenChain:
     `len()`, `dtype`, an int index, a slice (a copy of just that range, at most one array's worth per part it
     crosses) and an integer array of positions (a gather) work as on one array; `parts` are the arrays.
     `np.asarray(chain)` copies everything: avoid it on a large corpus."""
+
+    mask = None  # the loss masks of the parts as one TokenChain, where a reader sets them
 
     def __init__(self, parts: Sequence[np.ndarray]):
         self.parts = [np.asarray(p) if not isinstance(p, np.ndarray) else p for p in parts]
@@ -128,6 +132,23 @@ class PreparedCorpus:
         for split in (*self.train, *self.val_parts):
             split.check_vocab(vocab_size)
 
+    @property
+    def masked(self) -> bool:
+        """Some directory has loss masks (a corpus of conversations)."""
+        return any(t.mask is not None for t in self.train)
+
+    @property
+    def train_masks(self) -> list[np.ndarray] | None:
+        """Each training split's loss mask (all ones for a directory without one), or None when none has one."""
+        return [t.mask if t.mask is not None else ones(len(t)) for t in self.train] if self.masked else None
+
+    @property
+    def val_mask(self) -> TokenChain | None:
+        """The validation splits' loss masks as one sequence, as `val`, or None when no directory has masks."""
+        if not self.masked:
+            return None
+        return TokenChain([v.mask if v.mask is not None else ones(len(v)) for v in self.val_parts])
+
 
 def open_prepared(
     paths: str | os.PathLike | Sequence[str | os.PathLike], vocab_size: int | None = None
@@ -176,8 +197,9 @@ def open_prepared(
             f"{dirs[0] / 'meta.json'} says vocab_size {metas[0]['vocab_size']}, its tokenizer.json has "
             f"{tokenizer.vocab_size} (edited?)"
         )
-    train = [BinIdx(d / "train") for d in dirs]
-    val_parts = [BinIdx(d / "val") for d in dirs]
+    same_template(dirs, metas)
+    train = [open_split(d, "train", m) for d, m in zip(dirs, metas, strict=True)]
+    val_parts = [open_split(d, "val", m) for d, m in zip(dirs, metas, strict=True)]
     corpus = PreparedCorpus(dirs, metas, tokenizer, train, val_parts, TokenChain([v.tokens for v in val_parts]))
     if vocab_size is not None:
         if tokenizer.vocab_size > vocab_size:
@@ -186,6 +208,38 @@ def open_prepared(
             )
         corpus.check_vocab(min(vocab_size, tokenizer.vocab_size))
     return corpus
+
+
+def open_split(data_dir: Path, split: str, meta: dict) -> BinIdx:
+    """A prepared directory's split ("train" or "val"), with its loss mask when meta.json (read and checked by
+    read_prepared_meta) records masks."""
+    opened = BinIdx(Path(data_dir) / split)
+    if "mask" in meta:
+        opened.mask = open_mask(Path(data_dir) / split, len(opened))
+    return opened
+
+
+def template_of(meta: dict) -> dict | None:
+    """The chat template a prepared directory was rendered with (meta.json "template"), or None (documents only)."""
+    t = meta.get("template")
+    return t if isinstance(t, dict) else None
+
+
+def same_template(dirs: list[Path], metas: list[dict]) -> None:
+    """Directories with loss masks must have been rendered with one template (a directory without masks holds
+    documents, whose every token carries loss whatever the template)."""
+    first = None
+    for d, m in zip(dirs, metas, strict=True):
+        t = template_of(m)
+        if t is None:
+            continue
+        if first is None:
+            first = (d, t)
+        elif t.get("sha256") != first[1].get("sha256"):
+            raise DataError(
+                f"{first[0]} and {d} were rendered with different chat templates ({first[1].get('name')} and "
+                f"{t.get('name')}): prepare them with one"
+            )
 
 
 def _expand(paths) -> list[Path]:

@@ -4,6 +4,10 @@ A window is `ctx_len + 1` tokens `w`; the model reads `w[:-1]` and predicts `w[1
 a function of (seed, step) alone, so a run resumes exactly and does not change with the number of ranks: rank r of
 world_size takes rows r, r + world_size, ... Every sampler has `batch(step, rank, world_size)`, `starts(step)` and
 `epoch(step)`.
+
+Given loss masks (a byte per token, masks.py), `target_masks(step, rank, world_size)` gives the masks of the
+targets `w[1:]` of this rank's rows and the count of targets that carry loss in the whole global batch, which every
+rank computes alike from (seed, step): the loss's denominator, known before the forward and without communication.
 """
 
 from __future__ import annotations
@@ -28,10 +32,16 @@ def _as_array(tokens) -> np.ndarray:
     return arr
 
 
-class WindowSampler:
-    """Random `ctx_len + 1`-token windows of `tokens` (an array, or anything with `.tokens` such as BinIdx)."""
+def _check_masks(masks, tokens) -> None:
+    if masks is not None and len(masks) != len(tokens):
+        raise DataError(f"a loss mask of {len(masks)} bytes for {len(tokens)} tokens")
 
-    def __init__(self, tokens, ctx_len: int, batch_size: int, seed: int = 0):
+
+class WindowSampler:
+    """Random `ctx_len + 1`-token windows of `tokens` (an array, or anything with `.tokens` such as BinIdx), and
+    of their loss masks `masks` (the same length; None: every target carries loss)."""
+
+    def __init__(self, tokens, ctx_len: int, batch_size: int, seed: int = 0, masks=None):
         if ctx_len < 1:
             raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
         if batch_size < 1:
@@ -41,6 +51,8 @@ class WindowSampler:
             raise DataError(
                 f"the corpus has {len(self.tokens)} tokens, fewer than one window of ctx_len + 1 = {ctx_len + 1}"
             )
+        _check_masks(masks, self.tokens)
+        self.masks = masks
         self.ctx_len = ctx_len
         self.batch_size = batch_size
         self.seed = seed
@@ -62,6 +74,15 @@ class WindowSampler:
         starts = self.starts(step)[rank::world_size]
         w = torch.from_numpy(self.tokens[starts[:, None] + self._offsets].astype(np.int64))
         return w[:, :-1], w[:, 1:]
+
+    def target_masks(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, int] | None:
+        """(bool `[batch_size // world_size, ctx_len]`: which of this rank's targets carry loss, the count of those
+        in the whole global batch), or None without masks."""
+        if self.masks is None:
+            return None
+        _check_rank(self.batch_size, rank, world_size)
+        m = np.asarray(self.masks[self.starts(step)[:, None] + self._offsets[1:]]) != 0
+        return torch.from_numpy(m[rank::world_size]), int(m.sum())
 
 
 def _check_rank(batch_size: int, rank: int, world_size: int) -> None:
@@ -118,8 +139,8 @@ class EpochSampler(WindowSampler):
     step is computed without the ones before it. With `shift`, each epoch moves all windows by the same seeded
     offset within the tokens that do not fill a window, so the left-over tail is not the same every epoch."""
 
-    def __init__(self, tokens, ctx_len: int, batch_size: int, seed: int = 0, shift: bool = True):
-        super().__init__(tokens, ctx_len, batch_size, seed)
+    def __init__(self, tokens, ctx_len: int, batch_size: int, seed: int = 0, shift: bool = True, masks=None):
+        super().__init__(tokens, ctx_len, batch_size, seed, masks)
         self.shift = shift
         self.slack = len(self.tokens) - 1 - self.n_windows * ctx_len
 
@@ -142,16 +163,22 @@ class EpochSampler(WindowSampler):
         return self.sample_starts(step * self.batch_size + np.arange(self.batch_size))
 
 
-def sequential_windows(tokens, ctx_len: int) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Consecutive windows (x, y) of shape [1, <= ctx_len]: every token after the first is a target exactly once."""
+def sequential_windows(tokens, ctx_len: int, masks=None) -> Iterator[tuple[torch.Tensor, ...]]:
+    """Consecutive windows (x, y) of shape [1, <= ctx_len]: every token after the first is a target exactly once.
+    With `masks` (a byte per token), (x, y, m): m bool, which targets carry loss."""
     if ctx_len < 1:
         raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
     arr = _as_array(tokens)
+    _check_masks(masks, arr)
     if len(arr) < 2:
         raise DataError(f"the split has {len(arr)} tokens; evaluation needs at least 2")
     for start in range(0, len(arr) - 1, ctx_len):
         w = torch.from_numpy(np.asarray(arr[start : start + ctx_len + 1]).astype(np.int64))[None]
-        yield w[:, :-1], w[:, 1:]
+        if masks is None:
+            yield w[:, :-1], w[:, 1:]
+        else:
+            m = torch.from_numpy(np.asarray(masks[start + 1 : start + ctx_len + 1]) != 0)[None]
+            yield w[:, :-1], w[:, 1:], m
 
 
 class MixtureSampler:
@@ -163,7 +190,10 @@ class MixtureSampler:
     `EpochSampler` (one pass per epoch of that source, seeded by (seed, source index)).
     """
 
-    def __init__(self, sources, weights, ctx_len: int, batch_size: int, seed: int = 0, round_size: int = 4096):
+    def __init__(
+        self, sources, weights, ctx_len: int, batch_size: int, seed: int = 0, round_size: int = 4096, masks=None
+    ):
+        """`masks`: None, or each source's loss mask (None for a source without: every target carries loss)."""
         sources, weights = list(sources), [float(w) for w in weights]
         if not sources:
             raise DataError("a data mixture needs at least one source")
@@ -176,7 +206,13 @@ class MixtureSampler:
             raise ValueError(f"round_size {round_size} is smaller than the {len(keep)} weighted sources")
         self.ctx_len, self.batch_size, self.seed, self.round_size = ctx_len, batch_size, seed, round_size
         # Every source keeps its sampler (and so its seed stream) by index; zero-weight ones are never drawn.
-        self.samplers = [EpochSampler(src, ctx_len, 1, seed=_source_seed(seed, i)) for i, src in enumerate(sources)]
+        if masks is not None and len(masks) != len(sources):
+            raise ValueError(f"{len(sources)} sources but {len(masks)} masks")
+        self.masks = masks
+        self.samplers = [
+            EpochSampler(src, ctx_len, 1, seed=_source_seed(seed, i), masks=None if masks is None else masks[i])
+            for i, src in enumerate(sources)
+        ]
         total = sum(weights)
         share = np.array([weights[i] / total * round_size for i in keep])
         slots = np.maximum(np.floor(share).astype(np.int64), 1)
@@ -246,6 +282,19 @@ class MixtureSampler:
             w[sel] = self.samplers[s].tokens[starts[sel][:, None] + self._offsets]
         w = torch.from_numpy(w)
         return w[:, :-1], w[:, 1:]
+
+    def target_masks(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, int] | None:
+        """As WindowSampler.target_masks; a source without a mask carries loss at every target."""
+        if self.masks is None:
+            return None
+        _check_rank(self.batch_size, rank, world_size)
+        source, starts = self.starts(step)
+        m = np.ones((len(starts), self.ctx_len), dtype=bool)
+        for s in np.unique(source).tolist():
+            sel = source == s
+            if self.samplers[s].masks is not None:
+                m[sel] = np.asarray(self.samplers[s].masks[starts[sel][:, None] + self._offsets[1:]]) != 0
+        return torch.from_numpy(m[rank::world_size]), int(m.sum())
 
 
 def _source_seed(seed: int, i: int) -> int:

@@ -165,3 +165,54 @@ def test_mixture_sampler():
         MixtureSampler([a, np.arange(5)], [1, 1], 10, 4)
     tiny = MixtureSampler([a, b], [1e-9, 1], 10, 4, round_size=100)
     assert tiny.slots.tolist() == [1, 99]  # a positive weight is never rounded away
+
+
+def _masked_tokens(n=3000, seed=0):
+    """Tokens whose value says whether they carry loss (odd: yes), and that mask."""
+    tokens = np.random.default_rng(seed).integers(0, 1000, size=n).astype(np.uint16)
+    return tokens, (tokens % 2).astype(np.uint8)
+
+
+@pytest.mark.parametrize("kind", ["random", "epoch", "stream"])
+def test_every_sampler_gives_the_targets_masks_and_the_global_count(kind):
+    from rwkvx_cli.data import StreamSampler
+
+    tokens, mask = _masked_tokens()
+    make = {"random": WindowSampler, "epoch": EpochSampler, "stream": StreamSampler}[kind]
+    s = make(tokens, 24, 8, seed=5, masks=mask)
+    for step in (0, 3, 400):  # the stream wraps around; the epoch sampler changes epoch
+        x, y = s.batch(step)
+        m, count = s.target_masks(step)
+        assert m.dtype == torch.bool and m.shape == y.shape
+        assert torch.equal(m, y % 2 == 1)  # the targets' mask, not the inputs'
+        assert count == int(m.sum())
+        rank_rows = [s.target_masks(step, r, 4) for r in range(4)]
+        assert all(c == count for _, c in rank_rows)  # every rank knows the global count
+        assert torch.equal(torch.stack([m for m, _ in rank_rows], 1).reshape(8, 24), m)
+        assert torch.equal(rank_rows[1][0], s.batch(step, 1, 4)[1] % 2 == 1)
+    assert make(tokens, 24, 8, seed=5).target_masks(0) is None
+    with pytest.raises(DataError, match="a loss mask of 2999 bytes for 3000 tokens"):
+        make(tokens, 24, 8, masks=mask[:-1])
+
+
+def test_mixture_masks_follow_their_source():
+    (a, ma), (b, _) = _masked_tokens(2000, 1), _masked_tokens(2500, 2)
+    s = MixtureSampler([a, b], [1.0, 3.0], 16, 32, seed=2, round_size=64, masks=[ma, None])
+    for step in (0, 7):
+        source, _ = s.starts(step)
+        _, y = s.batch(step)
+        m, count = s.target_masks(step)
+        from_a = torch.from_numpy(source == 0)
+        assert from_a.any() and (~from_a).any()
+        assert torch.equal(m[from_a], y[from_a] % 2 == 1)
+        assert m[~from_a].all()  # a source without a mask: every target carries loss
+        assert count == int(m.sum())
+
+
+def test_sequential_windows_with_masks():
+    tokens, mask = _masked_tokens(100)
+    seen = []
+    for _, y, m in sequential_windows(tokens, 16, mask):
+        assert torch.equal(m, y % 2 == 1)
+        seen.append(m)
+    assert sum(s.numel() for s in seen) == 99
