@@ -151,6 +151,10 @@ class DataConfig:
     # convolutions at each end-of-document token, which then begins the next document (its state
     # carries nothing of the one before). Off: RWKV-LM's packing, the state runs across documents.
     reset_at_eod: bool = False
+    # The chat template that renders JSONL conversations ({"messages": ...}) and {"prompt",
+    # "response"} pairs when training prepares data.corpus: a shipped name (g1) or a template file
+    # (data/template.py); their loss masks say which tokens train (docs/data.md).
+    template: str = "g1"
     bpe_vocab_size: int = 2048
     val_fraction: float = 0.05
     # Where prepared tokens go; "" = <run dir>/data.
@@ -345,6 +349,7 @@ class Config:
             (MIN_BPE_VOCAB <= d.bpe_vocab_size <= MAX_VOCAB, "data.bpe_vocab_size",
              f"must be from {MIN_BPE_VOCAB} to {MAX_VOCAB:,}"),
             (d.val_tokens >= 0, "data.val_tokens", "must be >= 0"),
+            (bool(d.template), "data.template", "must name a template (g1) or a template file"),
             *self._vocabulary_checks(written),
             (t.log_interval >= 1, "train.log_interval", "must be >= 1"),
             (t.chunk_len >= 0, "train.chunk_len", "must be >= 0 (0: off)"),
@@ -549,7 +554,7 @@ def _expand_home(cfg: Config) -> None:
 
     cfg.run_dir, d.prepared_dir = home(cfg.run_dir), home(d.prepared_dir)
     d.binidx, d.val_binidx = home(d.binidx), home(d.val_binidx)
-    d.corpus, d.tokenizer = [home(p) for p in d.corpus], home(d.tokenizer)
+    d.corpus, d.tokenizer, d.template = [home(p) for p in d.corpus], home(d.tokenizer), home(d.template)
     cfg.train.init_from = home(cfg.train.init_from)
     for src in d.mix or []:
         src.path = home(src.path)
@@ -570,9 +575,10 @@ def resolve_paths(cfg: Config) -> Config:
     """Every path-valued setting made absolute (in place, against the current directory; `..` folded,
     links kept as named, so the run directory's own checks see a link as given), so that a run's saved
     config.yaml and checkpoints name the same files from any directory: run_dir, data.corpus,
-    data.tokenizer (a tokenizer.json), data.prepared_dir, data.binidx, data.val_binidx,
-    data.mix[].path and train.init_from. These stay: empty values ("": the default place), tokenizer
-    names (and a bare word that names no file: a misspelt name, which its error then shows as written),
+    data.tokenizer (a tokenizer.json), data.template (a template file), data.prepared_dir,
+    data.binidx, data.val_binidx, data.mix[].path and train.init_from. These stay: empty values ("": the
+    default place), tokenizer and template names (and a bare word that names no file: a misspelt name,
+    which its error then shows as written),
     an unused data.corpus (beside data.binidx or data.mix it stays the default, which validation reads
     as not given); globs keep their pattern."""
     d, t = cfg.data, cfg.train
@@ -585,6 +591,10 @@ def resolve_paths(cfg: Config) -> Config:
         d.corpus = [full(p) for p in d.corpus]
     if _names_a_file(d.tokenizer):
         d.tokenizer = full(d.tokenizer)
+    from rwkvx_cli.data.template import names_a_file
+
+    if names_a_file(d.template):
+        d.template = full(d.template)
     d.prepared_dir, d.binidx, d.val_binidx = full(d.prepared_dir), full(d.binidx), full(d.val_binidx)
     for src in d.mix or []:
         src.path = full(src.path)

@@ -10,7 +10,9 @@ from pathlib import Path
 
 import numpy as np
 import torch
+import torch.nn.functional as F
 
+from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.sampler import sequential_windows
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.models import LM, document_starts
@@ -33,38 +35,54 @@ def evaluate(
     runtime: Runtime,
     on_progress: Progress | None = None,
     reset_at_eod: bool = False,
+    masks=None,
 ) -> dict:
     """Mean next-token loss over consecutive windows of the split (up to max_tokens), and
     bits per byte over exactly the UTF-8 bytes of the tokens it predicted (None where they decode to
     no bytes: end-of-document tokens alone, a rate over nothing); the forward runs
     on `runtime`'s device under its precision, as training does. `on_progress("validation", done,
     total)` after each batch: the tokens predicted of those it will predict. `reset_at_eod`: each
-    document starts from a zero state (data.reset_at_eod), as the run trained."""
+    document starts from a zero state (data.reset_at_eod), as the run trained. With the split's loss
+    `masks` (a byte per token), the loss and bits per byte are over the predicted tokens that carry
+    loss (`loss_tokens` of them; the loss is None when there are none), the others only read."""
     model.eval()
     total, count = 0.0, 0
+    loss_total, loss_count = 0.0, 0
     planned = max(0, min(max_tokens, len(tokens) - 1))  # about: the last batch may go past max_tokens
     if on_progress is not None:
         on_progress("validation", 0, planned)  # the clock of its rate starts
-    xs, ys = [], []
+    xs, ys, ms = [], [], []
 
     def flush():
-        nonlocal total, count
+        nonlocal total, count, loss_total, loss_count
         x, y = torch.stack(xs).to(runtime.device), torch.stack(ys).to(runtime.device)
         starts = document_starts(x, tokenizer.eod_id if reset_at_eod else None)
         with runtime.autocast():
-            loss, _ = model.loss(x, y, starts=starts)
+            if masks is None:
+                loss, _ = model.loss(x, y, starts=starts)
+            else:
+                logits, _ = model(x, starts=starts)
+                each = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+                m = torch.stack(ms).to(runtime.device).flatten()
+                loss_total += float(each[m].double().sum())
+                loss_count += int(m.sum())
+                loss = each.mean()
         total += loss.item() * y.numel()
         count += y.numel()
         xs.clear()
         ys.clear()
+        ms.clear()
         if on_progress is not None:
             on_progress("validation", min(count, planned), planned)
 
-    for x, y in sequential_windows(tokens, ctx_len):
+    for window in sequential_windows(tokens, ctx_len, masks):
+        x, y = window[:2]
         if xs and x.shape[1] != xs[0].shape[0]:
             flush()  # the last window is shorter: its own batch
         xs.append(x[0])
         ys.append(y[0])
+        if masks is not None:
+            ms.append(window[2][0])
         if len(xs) == batch:
             flush()
         if count + len(xs) * ctx_len >= max_tokens:
@@ -74,14 +92,23 @@ def evaluate(
     if on_progress is not None and 0 < count < planned:
         on_progress("validation", count, count)  # done: the windows ended before the estimate
     model.train()
-    loss = total / max(count, 1)
-    n_bytes = len(tokenizer.decode(np.asarray(tokens[1 : count + 1]).tolist()).encode("utf-8"))
-    return {
+    predicted = np.asarray(tokens[1 : count + 1])
+    if masks is not None:
+        predicted = predicted[np.asarray(masks[1 : count + 1]) != 0]
+        total = loss_total
+    loss = total / max(count if masks is None else loss_count, 1)
+    n_bytes = len(tokenizer.decode(predicted.tolist()).encode("utf-8"))
+    out = {
         "loss": loss,
         "ppl": math.exp(min(loss, 50.0)),
         "bpb": total / math.log(2) / n_bytes if n_bytes else None,
         "tokens": count,
     }
+    if masks is not None:
+        out["loss_tokens"] = loss_count
+        if not loss_count:
+            out |= {"loss": None, "ppl": None, "bpb": None}
+    return out
 
 
 def eval_checkpoint(
@@ -112,7 +139,15 @@ def eval_checkpoint(
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
     start = time.perf_counter()
     figures = (t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
-    ev = evaluate(opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod)
+    ev = evaluate(
+        opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod,
+        masks=getattr(val, "mask", None),
+    )
+    if ev.get("loss_tokens") == 0:
+        raise DataError(
+            f"no target among the first {ev['tokens']:,} validation tokens carries loss (the split's loss masks); "
+            "evaluate more of them (train.eval_tokens)"
+        )
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = opened.step
     ev["reset_at_eod"] = cfg.data.reset_at_eod

@@ -19,6 +19,8 @@ about the number of blocks.
 The chunked loss head forms its gradient in its forward; under the recomputation it does so only
 in the recompute, and hands it to the first run's backward (losses.RecomputeSlot). Its L2Wrap
 term is scaled by 1 / (B · T_k) and the chunk's loss by T_k / T: 1 / (B · T), as unchunked.
+With per-target weights (loss masks) each chunk's loss is its weighted sum, and the window's their
+sum: the weights already say what each target weighs.
 
 The loop runs inside the model's forward, so DDP and FSDP2 see one forward and one backward per
 micro-batch (each parameter's gradient is summed over the chunks before their hooks fire).
@@ -40,33 +42,45 @@ def chunk_bounds(T: int, chunk_len: int) -> list[tuple[int, int]]:
 
 
 def chunked_loss(
-    model, idx, targets, state=None, *, chunk_len: int, head: str = "chunked", l2wrap: bool = False, starts=None
+    model,
+    idx,
+    targets,
+    state=None,
+    *,
+    chunk_len: int,
+    head: str = "chunked",
+    l2wrap: bool = False,
+    starts=None,
+    weights=None,
 ):
     """The mean loss of the window `idx` [B, T] against `targets` [B, T], from `state` (None: zeros),
     and the state after it, in chunks of `chunk_len` tokens (see the module docstring). `model` is
     the LM itself (models/model.py), `head` train.head, `l2wrap` whether L2Wrap applies, `starts`
-    the window's document starts (bool [B, T] or None), each chunk given its own slice."""
+    the window's document starts (bool [B, T] or None), each chunk given its own slice; `weights`
+    ([B, T] or None): the weighted sum of the targets' losses instead of their mean."""
     T = idx.shape[1]
     recompute = torch.is_grad_enabled()
     total = None
     for lo, hi in chunk_bounds(T, chunk_len):
         args = (model, idx[:, lo:hi], targets[:, lo:hi], state, head, l2wrap)
         piece = None if starts is None else starts[:, lo:hi]
+        part_w = None if weights is None else weights[:, lo:hi]
         if recompute:
             slot = RecomputeSlot() if head == "chunked" else None
             loss, state = checkpoint(
-                _chunk, *args, slot, piece, use_reentrant=False, preserve_rng_state=False, determinism_check="none"
+                _chunk, *args, slot, piece, part_w, use_reentrant=False, preserve_rng_state=False,
+                determinism_check="none",
             )
         else:
-            loss, state = _chunk(*args, None, piece)
-        part = loss * ((hi - lo) / T)
+            loss, state = _chunk(*args, None, piece, part_w)
+        part = loss * ((hi - lo) / T) if weights is None else loss
         total = part if total is None else total + part
     return total, state
 
 
-def _chunk(model, x, y, state, head: str, l2wrap: bool, slot: RecomputeSlot | None, starts=None):
+def _chunk(model, x, y, state, head: str, l2wrap: bool, slot: RecomputeSlot | None, starts=None, weights=None):
     h, new_state = model.hidden(x, state, starts)
-    return head_loss(h, model.head, y, head, l2wrap, slot), compact(new_state)
+    return head_loss(h, model.head, y, head, l2wrap, slot, weights), compact(new_state)
 
 
 def compact(state: list) -> list:

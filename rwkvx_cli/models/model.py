@@ -152,6 +152,7 @@ class LM(nn.Module):
         head: str = "chunked",
         chunk_len: int = 0,
         starts: torch.Tensor | None = None,
+        weights: torch.Tensor | None = None,
     ):
         """Logits [B, T, V] and the state after the last token (for TBPTT / generation); with
         `targets`, the mean cross-entropy instead of the logits, computed in chunks of rows so that
@@ -159,15 +160,17 @@ class LM(nn.Module):
         gradient when `l2wrap`. With `targets` and `chunk_len`: chunked full BPTT over chunks of
         that many tokens (models/chunked.py), with the loss head `head` (train.head). `starts`
         (bool [B, T]): where a document starts, every layer's state is the zero state
-        (docs/operators.md#document-starts)."""
+        (docs/operators.md#document-starts). `weights` [B, T] (loss masks, with `targets`): the
+        weighted sum of the targets' losses instead of their mean (models/losses.py)."""
         if targets is not None and chunk_len:
             return chunked_loss(
-                self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap, starts=starts
+                self, idx, targets, state, chunk_len=chunk_len, head=head, l2wrap=l2wrap, starts=starts,
+                weights=weights,
             )
         x, new_state = self.hidden(idx, state, starts)
         if targets is None:
             return self.head(x), new_state
-        return linear_cross_entropy(x, self.head.weight, targets, l2wrap=l2wrap), new_state
+        return linear_cross_entropy(x, self.head.weight, targets, l2wrap=l2wrap, weights=weights), new_state
 
     def hidden(self, idx: torch.Tensor, state: list | None = None, starts: torch.Tensor | None = None):
         """The normalised hidden states [B, T, C] that the head reads, and the new state. With

@@ -1,6 +1,7 @@
 """A run's data: prepared once from data.corpus (rank 0 tokenizes, the others open it), a bare
 binidx prefix (data.binidx) or a mixture (data.mix), opened with the vocabulary checked and at
-least one window per split. Where the files are: runs/layout.py."""
+least one window per split. A prepared split's loss mask (data/masks.py) comes with it as its
+`.mask` (None: every target carries loss). Where the files are: runs/layout.py."""
 
 from __future__ import annotations
 
@@ -16,6 +17,8 @@ from rwkvx_cli.config import Config, ConfigError
 from rwkvx_cli.data import PrepareStats, TokenChain, expand_inputs, open_prepared, open_tokens, prepare
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import read_prepared_meta
+from rwkvx_cli.data.prepared import open_split, same_template, template_of
+from rwkvx_cli.data.template import load_template
 from rwkvx_cli.fsio import atomic_write_text
 from rwkvx_cli.runs.layout import TOKENIZER_FILE, data_dir_for, is_prepared, prepared_corpus
 from rwkvx_cli.runs.tokenizers import dir_tokenizer, named_tokenizer
@@ -48,6 +51,12 @@ class Mixture:
     def tokens(self) -> list[np.ndarray]:
         return [s.tokens for s in self.sources]
 
+    @property
+    def mask(self) -> list | None:
+        """Each source's loss mask (None for one without), or None when no source has one."""
+        masks = [getattr(s, "mask", None) for s in self.sources]
+        return None if all(m is None for m in masks) else masks
+
 
 # Written beside a bare prefix's or a mixture's tokenizer.json: what the run trains and validates on.
 SOURCE_FILE = "source.json"
@@ -72,6 +81,8 @@ def prepare_command(cfg: Config, run_dir: Path) -> str:
     if d.tokenizer not in ("byte", "bpe", "world"):
         args += ["--eod-id", str(d.eod_id)]
     args += ["--val-fraction", f"{d.val_fraction:g}", "--seed", str(cfg.train.seed)]
+    if d.template != "g1":
+        args += ["--template", d.template]
     then = "then train again" if d.prepared_dir else f"then train with data.corpus={shlex.quote(str(out))}"
     return f"`{shlex.join(args)}` once first (one process), {then}"
 
@@ -94,6 +105,7 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
             seed=cfg.train.seed,
             progress=progress,
             eod_id=None if named else cfg.data.eod_id,
+            template=cfg.data.template,
         )
     elif not (cfg.data.binidx or cfg.data.mix is not None or prepared_corpus(cfg)):
         check_prepared_as_asked(cfg, data_dir_for(cfg, run_dir))
@@ -136,11 +148,17 @@ def check_prepared_as_asked(cfg: Config, ddir: Path) -> None:
         inputs = expand_inputs([Path(p) for p in d.corpus])
         asked["corpus"] = [(str(p.resolve()), p.stat().st_size) for p in inputs]
         found["corpus"] = [(s.get("path"), s.get("bytes")) for s in sources if isinstance(s, dict)]
+    template = template_of(meta)
+    if template is not None:  # rendered conversations: the same template (one without masks holds documents only)
+        asked["template"] = load_template(d.template).sha256
+        found["template"] = template.get("sha256")
     for what, want in asked.items():
         if what in found and found[what] is not None and found[what] != want:
             have = found[what]
             if what == "corpus":
                 have, want = _files(have), _files(want)
+            if what == "template":
+                have, want = template.get("name"), d.template
             raise DataError(
                 f"{ddir} was prepared with {what} {have}, but the config asks for {want}; point "
                 f"data.prepared_dir elsewhere, or remove {ddir} to prepare it again"
@@ -165,12 +183,14 @@ def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_tr
         corpus = open_prepared(shards)
         ddir, tokenizer, prepared = shards[0], corpus.tokenizer, False  # each meta.json checked by open_prepared
         train, val = TokenChain(corpus.train_tokens), corpus.val
+        if corpus.masked:
+            train.mask, val.mask = TokenChain(corpus.train_masks), corpus.val_mask
         where = f"{len(shards)} prepared directories, {shards[0]} ..."
         splits = [("training", where, train), ("validation", where, val)]
     elif prepared:
         ddir = data_dir if data_dir is not None else data_dir_for(cfg, run_dir)
         tokenizer = dir_tokenizer(ddir)
-        train, val = open_tokens(ddir / "train.bin"), open_tokens(ddir / "val.bin")
+        train, val = _open_prepared_split(ddir, "train"), _open_prepared_split(ddir, "val")
         splits = [("training", ddir, train), ("validation", ddir, val)]
     elif d.binidx:
         ddir = data_dir_for(cfg, run_dir)
@@ -201,7 +221,37 @@ def open_data(cfg: Config, run_dir: Path, data_dir: Path | None = None, check_tr
             )
     if prepared and (ddir / "meta.json").is_file():  # a damaged or edited one is refused rather than read
         read_prepared_meta(ddir, tokenizer.vocab_size)
+    _check_val_mask(val, cfg.train.eval_tokens)
     return RunData(train, val, tokenizer, ddir, None)
+
+
+def _check_val_mask(val, eval_tokens: int) -> None:
+    """Validation averages over the targets that carry loss among the first train.eval_tokens: there
+    must be one."""
+    mask = getattr(val, "mask", None)
+    if mask is not None and not np.count_nonzero(np.asarray(mask[1 : eval_tokens + 1])):
+        raise DataError(
+            f"no target among the first {min(eval_tokens, len(mask) - 1):,} validation tokens carries loss (the "
+            "split's loss masks): validation would average over none; raise train.eval_tokens"
+        )
+
+
+def _meta_of(ddir: Path) -> dict:
+    """A prepared directory's meta.json as it is ({} when missing or damaged: read_prepared_meta says which)."""
+    try:
+        meta = json.loads((ddir / "meta.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError):
+        return {}
+    return meta if isinstance(meta, dict) else {}
+
+
+def _open_prepared_split(ddir: Path, split: str):
+    """A prepared directory's split with its loss mask when its meta.json records masks (checked by
+    read_prepared_meta afterwards); a directory without meta.json is read as binidx files alone."""
+    meta = _meta_of(ddir)
+    if "mask" in meta and isinstance(meta.get(split), dict):
+        return open_split(ddir, split, meta)
+    return open_tokens(ddir / f"{split}.bin")
 
 
 def _check_vocab(splits, cfg: Config, tokenizer) -> None:
@@ -226,7 +276,7 @@ def _open_mix(cfg: Config):
                     f"data.mix[{i}]: {path} is a directory without meta.json, not a prepared dataset; "
                     f"prepare it first with `rwkvx data prepare FILES --out {path}`"
                 )
-            split = open_tokens(path / "train.bin")
+            split = _open_prepared_split(path, "train")
             dirs.append(path)
         else:
             split = open_tokens(path)
@@ -238,12 +288,13 @@ def _open_mix(cfg: Config):
         for other in dirs[1:]:
             if (other / "tokenizer.json").read_bytes() != (dirs[0] / "tokenizer.json").read_bytes():
                 raise DataError(f"data.mix: {dirs[0]} and {other} were prepared with different tokenizers")
+        same_template(dirs, [_meta_of(p) for p in dirs])
     else:
         tokenizer = named_tokenizer(cfg)
     if d.val_binidx:
         val, where = open_tokens(d.val_binidx), d.val_binidx
     elif dirs:
-        val, where = open_tokens(dirs[0] / "val.bin"), dirs[0]
+        val, where = _open_prepared_split(dirs[0], "val"), dirs[0]
     else:
         raise ConfigError("data.mix: no source is a prepared directory with a validation split; set data.val_binidx")
     return Mixture(sources), val, tokenizer, [*splits, ("validation", where, val)]

@@ -4,6 +4,9 @@ exact resume: train/checkpointer.py) and the metrics log (train/metrics.py). Bat
 are a pure function of (seed, step). Data-parallel under torchrun (train/distributed.py):
 the global batch of a step is the same for any number of ranks, each rank taking its
 rows in micro-batches of at most `train.micro_batch`, so the loss does not depend on N.
+With loss masks (conversations) the step's loss is the sum of the cross-entropy of every
+target that carries loss, in every micro-batch and rank, over their global count
+(docs/training.md#loss-masks).
 
 Library code: it reports through the `on_event` callback and never prints.
 """
@@ -64,18 +67,19 @@ def peak_memory_mb(device: torch.device) -> float:
         return float("nan")
 
 
-def make_sampler(cfg: Config, train_tokens, global_rows: int):
+def make_sampler(cfg: Config, train_tokens, global_rows: int, masks=None):
     """The training batches: consecutive streams under TBPTT; a weighted mixture for data.mix
-    (`train_tokens` then lists its sources' tokens); else one pass per epoch (train.sampler=epoch)
-    or random windows with replacement (random). Each is a pure function of (seed, step)."""
+    (`train_tokens` then lists its sources' tokens, `masks` their masks); else one pass per epoch
+    (train.sampler=epoch) or random windows with replacement (random). Each is a pure function of
+    (seed, step). `masks`: the training tokens' loss masks, or None."""
     t = cfg.train
     if t.tbptt:
-        return StreamSampler(train_tokens, t.ctx_len, global_rows, t.seed)
+        return StreamSampler(train_tokens, t.ctx_len, global_rows, t.seed, masks=masks)
     if cfg.data.mix is not None:
         weights = [s.weight for s in cfg.data.mix]
-        return MixtureSampler(train_tokens, weights, t.ctx_len, global_rows, t.seed)
+        return MixtureSampler(train_tokens, weights, t.ctx_len, global_rows, t.seed, masks=masks)
     sampler = EpochSampler if t.sampler == "epoch" else WindowSampler
-    return sampler(train_tokens, t.ctx_len, global_rows, t.seed)
+    return sampler(train_tokens, t.ctx_len, global_rows, t.seed, masks=masks)
 
 
 class Trainer:
@@ -90,14 +94,20 @@ class Trainer:
         dist: DistInfo = SINGLE,
         runtime: rt.Runtime | None = None,
         guard: Callable[[], None] | None = None,
+        *,
+        train_mask=None,
+        val_mask=None,
     ):
         """`runtime`: the command's resolved device and precision (None: resolve train.device and
         train.precision here, for a Trainer built outside `rwkvx train`). `guard()`: called before
-        each checkpoint is written; raises when the run directory is no longer this process's."""
+        each checkpoint is written; raises when the run directory is no longer this process's.
+        `train_mask`, `val_mask`: the splits' loss masks (a byte per token; for data.mix a list,
+        one per source), or None: every target carries loss."""
         self.cfg, self.run_dir, self.dist = cfg, Path(run_dir), dist
         self.runtime = runtime if runtime is not None else rt.resolve(cfg.train.device, cfg.train.precision)
         self.model = model.to(self.device)
         self.train_tokens, self.val_tokens = train_tokens, val_tokens
+        self.val_mask = val_mask
         self.tokenizer = tokenizer
         t = cfg.train
         self.global_rows = t.micro_batch * t.grad_accum
@@ -115,7 +125,8 @@ class Trainer:
         self.optimizer = optimizers.build(
             [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, distributed.sharded(self.model)
         )
-        self.sampler = make_sampler(cfg, train_tokens, self.global_rows)
+        self.sampler = make_sampler(cfg, train_tokens, self.global_rows, train_mask)
+        self.loss_tokens: int | None = None  # the last step's targets that carry loss (with masks)
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
         self.carry: list[list | None] = [None] * len(self.micro)
         self.step = 0
@@ -200,22 +211,27 @@ class Trainer:
         x, y = self.sampler.batch(self.step, self.dist.rank, self.dist.world_size)
         x, y = x.to(self.device), y.to(self.device)
         rank_rows = x.shape[0]
+        weights = self._target_weights()
         total = torch.zeros((), device=self.device)
         for micro, rows in enumerate(self.micro):
             # Each micro-batch weighs by its share of the rank's rows; DDP/FSDP then average the
-            # ranks: the gradient of the mean loss over the global batch.
-            weight = (rows.stop - rows.start) / rank_rows
+            # ranks: the gradient of the mean loss over the global batch. With masks the targets'
+            # weights say it all (_target_weights).
+            weight = (rows.stop - rows.start) / rank_rows if weights is None else 1.0
             last = micro == len(self.micro) - 1
             with distributed.grad_sync(self.wrapped, t.distributed, sync=last):
                 with self.runtime.autocast():
-                    loss, state = self._loss(x[rows], y[rows], self.carry[micro])
+                    w = None if weights is None else weights[rows]
+                    loss, state = self._loss(x[rows], y[rows], self.carry[micro], w)
                 if t.tbptt:
                     self.carry[micro] = self.model.carried(state)
-                (loss * weight).backward()
+                (loss * weight if weights is None else loss).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size
         norm = distributed.clip_grad_norm_(self.model, t.grad_clip)
         loss_value, norm_value = torch.stack([total, norm.to(total.dtype)]).tolist()  # one host sync
+        if self.loss_tokens == 0:
+            loss_value = math.nan  # a mean over no target: not applied, as a non-finite step
         applied = math.isfinite(loss_value) and math.isfinite(norm_value)
         if applied:
             self.optimizer.step()
@@ -227,10 +243,24 @@ class Trainer:
         self.tokens_done += self.cfg.tokens_per_step
         return loss_value, lr, norm_value, applied
 
-    def _loss(self, x, y, carry):
+    def _target_weights(self) -> torch.Tensor | None:
+        """With loss masks, each of this rank's targets' weight in the step's loss, [rows, ctx_len]:
+        N / D where it carries loss and 0 elsewhere, D the count of such targets in the whole global
+        batch (every rank reads it from the sampler alike: no communication) and N the ranks, whose
+        gradients DDP and FSDP average. So the step's gradient is that of Σ CE over every target
+        that carries loss / D, whatever the micro-batches and ranks; a step with D = 0 is not applied.
+        None without masks (the loss is today's mean)."""
+        got = self.sampler.target_masks(self.step, self.dist.rank, self.dist.world_size)
+        if got is None:
+            return None
+        mask, self.loss_tokens = got
+        scale = self.dist.world_size / self.loss_tokens if self.loss_tokens else 0.0
+        return mask.to(self.device, torch.float32) * scale
+
+    def _loss(self, x, y, carry, weights=None):
         t = self.cfg.train
         starts = document_starts(x, self.tokenizer.eod_id if self.cfg.data.reset_at_eod else None)
-        return micro_batch_loss(self.forward, x, y, carry, t.head, self.l2wrap, t.chunk_len, starts)
+        return micro_batch_loss(self.forward, x, y, carry, t.head, self.l2wrap, t.chunk_len, starts, weights)
 
     def _nonfinite(self, loss: float, norm: float) -> None:
         t = self.cfg.train
@@ -238,6 +268,14 @@ class Trainer:
         self.nonfinite_in_row += 1
         what = f"non-finite {'loss' if not math.isfinite(loss) else 'gradient'} at step {self.step + 1}"
         values = f"(loss {loss}, gradient norm {norm}); the model was not updated"
+        if self.loss_tokens == 0:
+            what = f"no target of step {self.step + 1}'s batch carries loss (the data's loss masks)"
+            values = "(its loss, a mean over none, is not defined); the model was not updated"
+            if t.nonfinite == "stop":
+                raise NonFiniteError(
+                    f"{what} {values}. Train on longer windows (train.ctx_len) or more rows per step, or set "
+                    "train.nonfinite=skip"
+                )
         if t.nonfinite == "stop":
             raise NonFiniteError(
                 f"{what} {values}. Resume from the last checkpoint with a lower train.lr, or set train.nonfinite=skip"
@@ -336,4 +374,5 @@ class Trainer:
             self.tokenizer,
             self.runtime,
             reset_at_eod=self.cfg.data.reset_at_eod,
+            masks=self.val_mask,
         )

@@ -321,7 +321,10 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
         return data, model, start_weights(start, model) if start is not None else None
 
     data, model, initial = distributed.agreed(then)
-    trainer = Trainer(cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard)
+    trainer = Trainer(
+        cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard,
+        train_mask=getattr(data.train, "mask", None), val_mask=getattr(data.val, "mask", None),
+    )
     if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
         aside = distributed.agreed(trainer.metrics.set_aside)  # rank 0's log

@@ -251,3 +251,23 @@ def test_the_tbptt_carry_holds_only_the_state():
                 continue
             for name, t in s.items():
                 assert not t.requires_grad and t.untyped_storage().nbytes() == t.numel() * t.element_size(), name
+
+
+@pytest.mark.parametrize("head", ["chunked", "full"])
+def test_masked_weights_chunked_equal_the_whole_window(head):
+    """Loss masks (per-target weights) go through the chunks: each chunk's weighted sum, added up,
+    is the window's, and so is every gradient (L2Wrap's term included)."""
+    model = model_of("rwkv7", torch.float64)
+    x, y = batch()
+    gen = torch.Generator().manual_seed(9)
+    mask = torch.rand(x.shape, generator=gen) < 0.3
+    weights = mask.double() / mask.sum()
+
+    def run(chunk_len):
+        model.zero_grad(set_to_none=True)
+        loss, state = micro_batch_loss(model, x, y, None, head, True, chunk_len, weights=weights)
+        loss.backward()
+        grads = {n: p.grad.detach().clone() for n, p in model.named_parameters() if p.grad is not None}
+        return loss.detach(), grads, state
+
+    assert_same(run(7), run(0), torch.float64)

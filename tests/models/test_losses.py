@@ -108,3 +108,87 @@ def test_model_chunked_loss_and_grad_checkpointing_match_the_plain_path(layers):
         assert grads.keys() == base.keys()
         for n in base:
             torch.testing.assert_close(grads[n], base[n], rtol=1e-8, atol=1e-12, msg=n)
+
+
+def _masked_reference(h, w, y, weights, l2wrap):
+    """Σ_i w_i CE_i from materialised logits, with L2Wrap's term at each row's argmax weighted by w_i
+    (written out, not through losses.L2Wrap)."""
+    logits = h @ w.t()
+    each = F.cross_entropy(logits.flatten(0, -2), y.flatten(), reduction="none")
+    loss = (each * weights.flatten()).sum()
+    if not l2wrap:
+        return loss
+    z = logits.detach().flatten(0, -2)
+    zmax, ids = z.max(-1)
+    target = torch.zeros_like(z)
+    target[torch.arange(len(z)), ids] = 1e-4 * zmax * weights.flatten()
+    return loss + (logits.flatten(0, -2) * target).sum() - (logits.flatten(0, -2) * target).sum().detach()
+
+
+@pytest.mark.parametrize("l2wrap", [False, True])
+@pytest.mark.parametrize("head", ["chunked", "full"])
+def test_masked_loss_is_the_weighted_sum_by_hand(head, l2wrap):
+    """With a mask, the loss of every target that carries it over their count: the chunked head
+    and the full head's L2Wrap give the hand computation's value and gradients (fp64)."""
+    from rwkvx_cli.models.losses import head_loss
+
+    gen = torch.Generator().manual_seed(3)
+    B, T, C, V = 3, 10, 8, 30
+    h = torch.randn(B, T, C, generator=gen, dtype=torch.float64)
+    w = torch.randn(V, C, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, V, (B, T), generator=gen)
+    mask = torch.rand(B, T, generator=gen) < 0.4
+    weights = mask.double() / mask.sum()
+    head_module = torch.nn.Linear(C, V, bias=False).double()
+    head_module.weight.data.copy_(w)
+
+    def ours(h_, w_, y_, l2):
+        head_module.weight = torch.nn.Parameter(w_)  # the head reads w_ (its gradient goes to w_)
+        return head_loss(h_, head_module, y_, head, l2, weights=weights)
+
+    want = _grads(lambda *a: _masked_reference(*a[:3], weights, a[3]), h, w, y, l2wrap)
+    got_loss, got_h, _ = _grads(ours, h, w, y, l2wrap)
+    got_w = head_module.weight.grad
+    hand = sum(F.cross_entropy((h[b, t] @ w.t())[None], y[b, t][None]).item()
+               for b in range(B) for t in range(T) if mask[b, t]) / int(mask.sum())
+    assert abs(got_loss.item() - hand) < 1e-12
+    torch.testing.assert_close(got_loss, want[0], rtol=1e-12, atol=1e-12)
+    torch.testing.assert_close(got_h, want[1], rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(got_w, want[2], rtol=1e-10, atol=1e-12)
+    assert got_h[~mask].abs().max() == 0  # a target without loss sends nothing back, L2Wrap's term neither
+
+
+def test_masked_l2wrap_weighs_each_row_as_its_loss_and_equals_the_mean_when_all_carry_it():
+    gen = torch.Generator().manual_seed(4)
+    h = torch.randn(6, 8, generator=gen, dtype=torch.float64)
+    w = torch.randn(20, 8, generator=gen, dtype=torch.float64)
+    y = torch.randint(0, 20, (6,), generator=gen)
+    ones = torch.full((6,), 1 / 6, dtype=torch.float64)
+    for l2wrap in (False, True):
+        mean = _grads(lambda *a: linear_cross_entropy(*a[:3], l2wrap=a[3]), h, w, y, l2wrap)
+        weighted = _grads(lambda *a: linear_cross_entropy(*a[:3], l2wrap=a[3], weights=ones, rows=4), h, w, y, l2wrap)
+        for g, e in zip(weighted, mean, strict=True):
+            torch.testing.assert_close(g, e, rtol=1e-12, atol=1e-14)
+    weights = torch.tensor([0.5, 0.0, 0.25, 0.0, 0.25, 0.0], dtype=torch.float64)
+    _, gh0, _ = _grads(lambda *a: linear_cross_entropy(*a[:3], l2wrap=False, weights=weights), h, w, y, False)
+    _, gh1, _ = _grads(lambda *a: linear_cross_entropy(*a[:3], l2wrap=True, weights=weights), h, w, y, True)
+    logits = h @ w.t()
+    zmax, ids = logits.max(-1)
+    gz = torch.zeros_like(logits)
+    gz[torch.arange(6), ids] = 1e-4 * zmax * weights
+    torch.testing.assert_close(gh1 - gh0, gz @ w)
+
+
+def test_model_forward_takes_the_weights_on_every_head_path():
+    from rwkvx_cli.models.losses import micro_batch_loss
+
+    model = _tiny_lm().double()
+    gen = torch.Generator().manual_seed(5)
+    x, y = torch.randint(0, 40, (2, 12), generator=gen), torch.randint(0, 40, (2, 12), generator=gen)
+    mask = torch.rand(2, 12, generator=gen) < 0.5
+    weights = mask.double() / mask.sum()
+    logits, _ = model(x)
+    hand = (F.cross_entropy(logits.flatten(0, 1), y.flatten(), reduction="none") * weights.flatten()).sum()
+    for head, chunk_len in (("chunked", 0), ("full", 0), ("chunked", 5), ("full", 5)):
+        loss, _ = micro_batch_loss(model, x, y, None, head, True, chunk_len, weights=weights)
+        torch.testing.assert_close(loss, hand, rtol=1e-12, atol=1e-12)
