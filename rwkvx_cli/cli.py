@@ -349,6 +349,9 @@ Workers = Annotated[int | None, typer.Option(min=1, help="Tokenizing processes (
 Shards = Annotated[int, typer.Option(min=1, help="Split the inputs into K disjoint shards (machines).")]
 ShardIndex = Annotated[int, typer.Option(min=0, help="The shard to prepare, 0..K-1.")]
 Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted prepare of the same inputs.")]
+Template = Annotated[
+    str, typer.Option(help="Chat template of JSONL conversations and prompt/response records: g1, or a file.")
+]
 
 
 @data_app.command("prepare")
@@ -367,6 +370,7 @@ def data_prepare(
     num_shards: Shards = 1,
     shard_index: ShardIndex = 0,
     resume: Resume = False,
+    template: Template = "g1",
 ) -> None:
     """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split, on every core."""
     from rwkvx_cli.data import prepare
@@ -374,6 +378,7 @@ def data_prepare(
 
     options = dict(tokenizer_kind=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed)
     options |= dict(eod_id=eod_id, text_field=text_field, skip_bad=skip_bad, workers=workers, resume=resume)
+    options["template"] = template
     with prepare_progress() as on_progress:
         stats = prepare(
             list(inputs), out_dir, on_progress=on_progress, num_shards=num_shards, shard_index=shard_index, **options

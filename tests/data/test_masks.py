@@ -247,3 +247,29 @@ def test_a_directory_prepared_again_without_conversations_drops_its_old_masks(tm
     prepare([root / "c.jsonl"], out, "world", workers=1)
     assert not mask_path(out / "train").exists() and not mask_path(out / "val").exists()
     open_prepared(out)
+
+
+def test_data_prepare_takes_the_template_and_refuses_a_bad_one_in_one_line(tmp_path, chats):
+    from typer.testing import CliRunner
+
+    from rwkvx_cli.cli import app
+
+    root, _ = chats
+    runner = CliRunner()
+    out = tmp_path / "out"
+    spec = G1.as_dict()
+    spec["name"] = "mine"
+    (tmp_path / "mine.json").write_text(json.dumps(spec))
+    args = ["data", "prepare", str(root / "b.jsonl"), "--out", str(out), "--tokenizer", "world", "--workers", "1"]
+    result = runner.invoke(app, [*args, "--template", str(tmp_path / "mine.json")])
+    assert result.exit_code == 0, result.output
+    assert json.loads((out / "meta.json").read_text())["template"]["name"] == "mine"
+    for bad, line in [
+        ("g7", "error: template 'g7' is neither a template name (g1) nor a file"),
+        (str(tmp_path / "chats.yaml"), f"error: template '{tmp_path / 'chats.yaml'}' is neither a template name"),
+    ]:
+        bad_args = ["data", "prepare", str(root / "b.jsonl"), "--out", str(tmp_path / "bad"), "--template", bad]
+        result = runner.invoke(app, bad_args)
+        assert result.exit_code == 2, result.output
+        assert "Traceback" not in result.output
+        assert result.output.strip().splitlines()[-1].startswith(line), result.output
