@@ -1,5 +1,5 @@
 """The `rwkvx` command line. Each command parses its options, calls one library function, and
-renders what it returns (render.py); errors become one line on stderr and an exit code."""
+renders what it returns (render/, a module per command); errors become one line on stderr and an exit code."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import typer
 from rwkvx_cli import __version__
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import check_output, write_json
-from rwkvx_cli.render import OneLineErrors, err, one_line_warning, out, reports_errors, warn_skipped
+from rwkvx_cli.render.console import OneLineErrors, err, one_line_warning, out, reports_errors, warn_skipped
 from rwkvx_cli.train import signals
 from rwkvx_cli.train.signals import Terminated
 
@@ -53,7 +53,7 @@ def gradcheck(
 ) -> None:
     """Check an op's backends against the fp64 oracle (gate A) and finite differences (gate B).
     `--op all` checks every registered op in turn: one report each, then an overall verdict."""
-    from rwkvx_cli.render import gradcheck_run, warn_skipped_backend
+    from rwkvx_cli.render.gradcheck import gradcheck_run, warn_skipped_backend
     from rwkvx_cli.tools.gradcheck import plan_gradcheck
 
     plan = plan_gradcheck(op, backend, size, on_skip=warn_skipped_backend)  # every usage error first
@@ -80,14 +80,13 @@ def init(
     """Resolve the config, build the model, and write the run directory (config, step-0 weights, tokenizer).
     With --from (train.init_from), the model's sizes are read from the weights."""
     from rwkvx_cli.config import load_config
-    from rwkvx_cli.render import data_progress, prepared_line, print_summary
+    from rwkvx_cli.render.data import data_progress, print_prepared
+    from rwkvx_cli.render.train import print_summary
     from rwkvx_cli.train.runner import init_run
 
     cfg = load_config(config, overrides or [])
     cfg.run_dir, cfg.train.init_from = str(out_dir or cfg.run_dir), str(start or cfg.train.init_from)
-    summary = init_run(
-        cfg, data_progress=data_progress, on_prepared=lambda s: out.print(prepared_line(s)), on_skip=warn_skipped
-    )
+    summary = init_run(cfg, data_progress=data_progress, on_prepared=print_prepared, on_skip=warn_skipped)
     print_summary(summary, Path(cfg.run_dir))
 
 
@@ -102,7 +101,8 @@ def train(
     """Train (preparing the data first if needed), with a live view, checkpoints and metrics.jsonl.
     Under torchrun, data-parallel over the ranks (train.distributed: ddp or fsdp)."""
     from rwkvx_cli.config import load_config
-    from rwkvx_cli.render import TrainConsole, data_progress
+    from rwkvx_cli.render.data import data_progress
+    from rwkvx_cli.render.train import TrainConsole
     from rwkvx_cli.train import distributed
     from rwkvx_cli.train.runner import run_training
 
@@ -173,7 +173,8 @@ def eval_cmd(
     lm-evaluation-harness (docs/eval.md; pip install 'rwkvx\\[eval]'); --by-position, --passkey: long context."""
     options = dict(locals())  # every option, by name: the library checks which go together
     from rwkvx_cli.evaluation.command import run_eval
-    from rwkvx_cli.render import progress, render_evaluation
+    from rwkvx_cli.render.console import progress
+    from rwkvx_cli.render.eval import render_evaluation
 
     with progress() as on_progress:
         mode, result = run_eval(options.pop("checkpoint"), on_skip=warn_skipped, on_progress=on_progress, **options)
@@ -197,7 +198,7 @@ def explain(
     """Which input tokens made the model predict the next one: LRP for RWKV-4/RWKV-7 (docs/explain.md)."""
     from rwkvx_cli.explain import explain_checkpoint
     from rwkvx_cli.explain import render as pictures
-    from rwkvx_cli.render import print_wide
+    from rwkvx_cli.render.console import print_wide
 
     pictures.check_outputs(json_path, html_path, png_path, force)
     writers = ((json_path, pictures.write_json), (html_path, pictures.write_html), (png_path, pictures.write_png))
@@ -228,7 +229,7 @@ def export(
     force: Annotated[bool, typer.Option("--force", help="Replace --out; export non-finite values anyway.")] = False,
 ) -> None:
     """Write a checkpoint for other tools: RWKV-LM .pth, safetensors, Hugging Face (fla) dir, RWKV-X .pth."""
-    from rwkvx_cli.render import render_export
+    from rwkvx_cli.render.export import render_export
     from rwkvx_cli.runs.export import export_checkpoint
 
     render_export(export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=warn_skipped, force=force))
@@ -284,7 +285,7 @@ def bench(
     force: ForceOpt = False,
 ) -> None:
     """Time ops (median of repeats, GFLOP/s, % of this device's matmul peak, speedup vs a baseline)."""
-    from rwkvx_cli.render import bench_status, render_bench, render_model_bench
+    from rwkvx_cli.render.bench import bench_status, render_bench, render_model_bench
     from rwkvx_cli.runs.runtime import resolve_device
 
     flags = (
@@ -374,7 +375,7 @@ def data_prepare(
 ) -> None:
     """Tokenize a corpus into RWKV-LM binidx (.bin + .idx) with a validation split, on every core."""
     from rwkvx_cli.data import prepare
-    from rwkvx_cli.render import prepare_progress, render_prepared
+    from rwkvx_cli.render.data import prepare_progress, render_prepared
 
     options = dict(tokenizer_kind=tokenizer, vocab_size=vocab_size, val_fraction=val_fraction, seed=seed)
     options |= dict(eod_id=eod_id, text_field=text_field, skip_bad=skip_bad, workers=workers, resume=resume)
@@ -396,7 +397,7 @@ Prepared = Annotated[
 def data_merge(dirs: Prepared, out_dir: OutDir) -> None:
     """Write prepared directories (the shards of --num-shards, or any with one tokenizer) as one, copying tokens."""
     from rwkvx_cli.data.merge import merge_prepared
-    from rwkvx_cli.render import render_merged
+    from rwkvx_cli.render.data import render_merged
 
     render_merged(merge_prepared(list(dirs), out_dir))
 

@@ -1,4 +1,4 @@
-"""The `python -m rwkvx_cli....` tools' way in and out, the command line's own (render.report_error):
+"""The `python -m rwkvx_cli....` tools' way in and out, the command line's own (render.console.report_error):
 an argument error is one line and exit 2; a RwkvxError, OSError, MemoryError or interrupt is one line
 and its exit code, never a traceback. Inputs a tool reads are checked here (input_text) and its output
 files go through fsio's guard (check_output, write_output: `--force`, links replaced, never followed).
@@ -21,7 +21,7 @@ class ArgumentParser(argparse.ArgumentParser):
     CLI's; pass `prog` (the `python -m` line), as argparse would otherwise name the module's file."""
 
     def error(self, message: str) -> NoReturn:
-        from rwkvx_cli.render import one_line_error
+        from rwkvx_cli.render.console import one_line_error
 
         one_line_error(f"{message} (see `{self.prog} --help`)")
         sys.exit(2)
@@ -75,10 +75,10 @@ def input_text(path: Path | str, what: str = "input") -> str:
 
 def run_main(main: Callable[[list[str] | None], int | None], argv: list[str] | None = None) -> NoReturn:
     """Run a tool's `main(argv)` as its `python -m` entry point (`if __name__ == "__main__": run_main(main)`)
-    and exit with its return value; an error ends it the way it ends a CLI command (render.report_error:
+    and exit with its return value; an error ends it the way it ends a CLI command (render.console.report_error:
     one line, its exit code), an interrupt with `interrupted` (130) or `terminated` (143). SIGTERM unwinds
     like Ctrl-C, so that a tool's own clean-up runs."""
-    from rwkvx_cli.render import interrupted, report_error
+    from rwkvx_cli.render.console import interrupted, report_error
     from rwkvx_cli.train import signals
 
     signals.install_process_handlers()

@@ -19,7 +19,7 @@ class RwkvxLM(TemplateLM):
     moving a context's trailing spaces to the continuation; we score the ids), `loglikelihood_rolling`
     (a whole document: one stateful pass for a pure recurrent model, else lm-eval's disjoint rolling
     windows of `max_length`) and `generate_until` (greedy). `on_progress(what, done, total, unit)` hears
-    the requests done of each kind (the CLI's render.progress; none where lm-eval says disable_tqdm)."""
+    the requests done of each kind (the CLI's render.console.progress; none where lm-eval says disable_tqdm)."""
 
     def __init__(
         self, model: LM, tokenizer, max_length: int, batch_size: int = 16, mode: str = "fp32", on_progress=None

@@ -19,7 +19,7 @@ TASK_ONLY = ("limit", "num_fewshot", "include_path", "output")
 
 def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[str, object]:
     """(mode, what it computed) for the eval options `o` (the CLI's, by parameter name); `on_progress(what,
-    done, total[, unit])` hears the work done (render.progress shows it)."""
+    done, total[, unit])` hears the work done (render.console.progress shows it)."""
     long = {k: o[k] for k in LONG}
     if any(v not in (None, False) for v in long.values()):
         from rwkvx_cli.evaluation.long_context import run_long_context

@@ -14,9 +14,9 @@
   key is" at the end, the whole prompt `length` tokens; the answer is read greedily, as many
   tokens as the key has, and counts when it starts with the key.
 
-Library code: it returns numbers (and writes no files); the CLI renders them (render.py) and
+Library code: it returns numbers (and writes no files); the CLI renders them (render/eval.py) and
 plots them (evaluation/plots.py). `on_progress(what, done, total)` hears the tokens read so far
-(render.progress shows them).
+(render.console.progress shows them).
 """
 
 from __future__ import annotations

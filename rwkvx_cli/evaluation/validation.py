@@ -21,7 +21,7 @@ from rwkvx_cli.runs import open_checkpoint
 from rwkvx_cli.runs.data import open_data
 from rwkvx_cli.runs.runtime import Runtime
 
-Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's progress (render.progress)
+Progress = Callable[..., None]  # on_progress(what, done, total): the CLI's progress (render.console.progress)
 
 
 @torch.no_grad()

@@ -103,7 +103,7 @@ def agreed(fn: Callable[[], T]) -> T:
         result = fn()
     except RwkvxError as e:
         own, report = e, (str(e), e.exit_code)
-    except (OSError, MemoryError) as e:  # as the command line renders them (render.reports_errors)
+    except (OSError, MemoryError) as e:  # as the command line renders them (render.console.reports_errors)
         memory = "out of memory; make the model, batch or shape smaller"
         own, report = e, (one_line(e) if isinstance(e, OSError) else memory, 1)
     except Exception as e:  # a bug: its traceback stays on this rank

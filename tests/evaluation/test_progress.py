@@ -1,6 +1,6 @@
-"""Progress of long work, `rwkvx eval`'s above all (render.progress, as `data prepare` shows its own;
-bench and gradcheck through render.status_line): piped, a plain line on stderr now and then and when
-a phase ends; stdout (the figures, --json) unchanged. And the passkey picture."""
+"""Progress of long work, `rwkvx eval`'s above all (render.console.progress, as `data prepare` shows its
+own; bench and gradcheck through render.console.status_line): piped, a plain line on stderr now and then
+and when a phase ends; stdout (the figures, --json) unchanged. And the passkey picture."""
 
 import json
 
@@ -9,26 +9,27 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from rwkvx_cli import render
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.data import ByteTokenizer
 from rwkvx_cli.evaluation import long_context as lc
 from rwkvx_cli.models import build_model
+from rwkvx_cli.render import console
+from rwkvx_cli.render.bench import bench_status
 from rwkvx_cli.runs.runtime import Runtime
 
 runner = CliRunner()
 
 
 def test_piped_progress_is_a_plain_line_now_and_then_and_at_the_end(capsys):
-    with render.progress(interval=3600.0) as report:
+    with console.progress(interval=3600.0) as report:
         report("passkey", 0, 40)
         report("passkey", 10, 40)  # within the interval: no line
         report("passkey", 40, 40)  # the phase ends: a line
     lines = capsys.readouterr()
     assert lines.out == ""
     assert len(lines.err.splitlines()) == 1 and lines.err.startswith("passkey 40/40 tokens (100%) · ")
-    with render.progress(interval=0.0) as report:  # every report past the interval: a line each
+    with console.progress(interval=0.0) as report:  # every report past the interval: a line each
         report("by position", 5, 20)
         report("tokenizing", 1, 2, "bytes", "half the input")
     err = capsys.readouterr().err.splitlines()
@@ -96,9 +97,9 @@ def test_the_passkey_picture_reads_at_both_ends_and_marks_chance():
 
 
 def test_piped_bench_and_gradcheck_say_now_and_then_what_they_are_at(capsys):
-    with render.bench_status(interval=0.0) as on_row:
+    with bench_status(interval=0.0) as on_row:
         on_row("wkv7 reference {'B': 1} fwdbwd")
-    with render.status_line("gradcheck", interval=3600.0) as on_case:
+    with console.status_line("gradcheck", interval=3600.0) as on_case:
         on_case("cpu: gate A, small")  # within the interval: no line
     lines = capsys.readouterr()
     assert lines.err.splitlines() == ["bench wkv7 reference {'B': 1} fwdbwd"] and lines.out == ""

@@ -11,7 +11,7 @@ from rich.console import Console
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
-from rwkvx_cli.render import TrainView
+from rwkvx_cli.render.train import TrainView
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
 from rwkvx_cli.train.plot import plot_losses
 from tests.train.helpers import rows, tiny_args
