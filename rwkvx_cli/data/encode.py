@@ -315,7 +315,7 @@ class Encoder:
                     continue
                 break
             records.append(spans)
-            out.text_bytes += sum(len(t.encode("utf-8")) for t, _ in spans)
+            out.text_bytes += sum(len(t) if t.isascii() else len(t.encode("utf-8")) for t, _ in spans)
         self._spans(records, out)
         return out
 
@@ -323,30 +323,27 @@ class Encoder:
         """The tokens and masks of `records` (each a list of (text, carries loss) spans) into `out`: each span
         tokenized on its own (one longer than WHOLE_CHARS in pieces, as a document), each record followed by the
         eod id, which carries loss when the record's last span does; a record without tokens is left out."""
-        texts: list[str] = []
-        owner: list[int] = []  # the span of each text
-        loss: list[bool] = []  # of each span
-        record: list[int] = []  # of each span
-        for r, spans in enumerate(records):
-            for text, carries in spans:
-                if len(text) > WHOLE_CHARS:
-                    pieces, kinds = self._split(text)
-                    out.forced += kinds.count("forced")
-                else:
-                    pieces = [text]
-                texts += pieces
-                owner += [len(loss)] * len(pieces)
-                loss.append(carries)
-                record.append(r)
-        if not texts:
+        spans = [span for r in records for span in r]
+        if not spans:
             return
-        ids, counts = self._encode_many(texts)
-        if len(texts) > len(loss):
-            counts = np.bincount(np.asarray(owner), weights=counts, minlength=len(loss)).astype(np.int64)
-        flags = np.asarray(loss, dtype=np.uint8)
+        texts = [t for t, _ in spans]
+        flags = np.fromiter((loss for _, loss in spans), dtype=np.uint8, count=len(spans))
+        per_record = np.fromiter(map(len, records), dtype=np.int64, count=len(records))
+        if max(map(len, texts)) > WHOLE_CHARS:  # a span too long for one call: in pieces, as a document
+            pieces, owner = [], []
+            for k, text in enumerate(texts):
+                parts, kinds = self._split(text) if len(text) > WHOLE_CHARS else ([text], ["end"])
+                out.forced += kinds.count("forced")
+                pieces += parts
+                owner += [k] * len(parts)
+            ids, counts = self._encode_many(pieces)
+            counts = np.bincount(np.asarray(owner), weights=counts, minlength=len(texts)).astype(np.int64)
+        else:
+            ids, counts = self._encode_many(texts)
         mask = np.repeat(flags, counts)
-        sizes = np.bincount(np.asarray(record), weights=counts, minlength=len(records)).astype(np.int64)
-        last = np.cumsum([len(s) for s in records]) - 1  # each record's last span
+        record = np.repeat(np.arange(len(records)), per_record)  # of each span
+        sizes = np.bincount(record, weights=counts, minlength=len(records)).astype(np.int64)
+        last = np.cumsum(per_record) - 1  # each record's last span
         kept = sizes > 0
         at = np.cumsum(sizes)[kept]
         out.tokens = np.insert(ids, at, np.array(self.spec.eod_id, dtype=self.dtype)).tobytes()

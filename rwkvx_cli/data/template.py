@@ -52,6 +52,8 @@ _NEWLINES = re.compile(r"\n{2,}")
 
 def clean(text: str) -> str:
     """G1's clean_txt: CRLF as LF, every run of newlines as one, stripped (so that no "\\n\\n" is left)."""
+    if "\n\n" not in text and "\r\n" not in text:
+        return text.strip()  # the usual text: nothing to collapse
     return _NEWLINES.sub("\n", text.replace("\r\n", "\n")).strip()
 
 
@@ -98,21 +100,20 @@ class Template:
     def spans(self, turns: list[tuple[str, str]]) -> list[tuple[str, bool]]:
         """(text, carries loss) of the rendered conversation `turns` ((role, text), roles known), adjacent
         segments with the same flag joined, empty ones left out."""
-        spans: list[tuple[str, bool]] = []
-
-        def add(text: str, loss: bool) -> None:
-            if not text:
-                return
-            if spans and spans[-1][1] == loss:
-                spans[-1] = (spans[-1][0] + text, loss)
-            else:
-                spans.append((text, loss))
-
+        texts: list[str] = []
+        flags: list[bool] = []
         for role, text in turns:
             r = self.roles[role]
-            add(r.prefix, False)
-            add(self.text_prefix + (clean(text) if r.clean else text) + self.turn_end, r.loss)
-        return spans
+            body = self.text_prefix + (clean(text) if r.clean else text) + self.turn_end
+            for part, loss in ((r.prefix, False), (body, r.loss)):
+                if not part:
+                    continue
+                if flags and flags[-1] == loss:
+                    texts[-1] += part
+                else:
+                    texts.append(part)
+                    flags.append(loss)
+        return list(zip(texts, flags, strict=True))
 
     def record_spans(self, obj: dict, shape: str, text_field: str) -> list[tuple[str, bool]]:
         """The spans of one JSONL record of its file's `shape`; ValueError saying what is wrong with it."""
@@ -146,6 +147,8 @@ class Template:
 def _string(value, what: str) -> str:
     if not isinstance(value, str):
         raise ValueError(f'"{what}" must be a string' if " " not in what else f"{what} must be a string")
+    if value.isascii():  # a flag of the string: no surrogate in it
+        return value
     try:
         value.encode("utf-8")
     except UnicodeEncodeError as e:

@@ -7,7 +7,7 @@ import shutil
 import numpy as np
 import pytest
 
-from rwkvx_cli.data import BinIdx, DataError, WorldTokenizer, open_prepared, prepare
+from rwkvx_cli.data import BinIdx, DataError, WorldTokenizer, corpus, open_prepared, prepare
 from rwkvx_cli.data import encode as encode_module
 from rwkvx_cli.data.masks import count, mask_path, open_mask
 from rwkvx_cli.data.merge import merge_prepared
@@ -273,3 +273,22 @@ def test_data_prepare_takes_the_template_and_refuses_a_bad_one_in_one_line(tmp_p
         assert result.exit_code == 2, result.output
         assert "Traceback" not in result.output
         assert result.output.strip().splitlines()[-1].startswith(line), result.output
+
+
+def test_spans_longer_than_one_call_are_encoded_in_pieces_with_the_same_bytes(tmp_path, chats, monkeypatch):
+    root, _ = chats
+    prepare([root / "a.jsonl"], tmp_path / "whole", "world", workers=1)
+    monkeypatch.setattr(encode_module, "WHOLE_CHARS", 12)  # most spans: in pieces cut where World allows
+    monkeypatch.setattr(corpus, "PIECE_CHARS", 16)
+    split, cut = encode_module.Encoder._split, []
+
+    def counting(self, text):
+        pieces, kinds = split(self, text)
+        cut.append(len(pieces) > 1)
+        return pieces, kinds
+
+    monkeypatch.setattr(encode_module.Encoder, "_split", counting)
+    prepare([root / "a.jsonl"], tmp_path / "pieces", "world", workers=1)
+    assert sum(cut) > 100
+    for name in ("train.bin", "train.mask", "val.bin", "val.mask"):
+        assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "pieces" / name).read_bytes(), name
