@@ -394,7 +394,8 @@ def _load_state(work: Path, job: dict) -> dict | None:
     old = state.get("job", {})
     for key, value in job.items():
         if old.get(key) != value:
-            what = {"inputs": "other inputs (or changed files)", "tokenizer": "another tokenizer"}.get(key, key)
+            what = {"inputs": "other inputs (or changed files)", "tokenizer": "another tokenizer",
+                    "template": "another chat template (or none)"}.get(key, key)
             raise UsageError(
                 f"cannot resume: {work.parent} holds a partial preparation with {what}; run without resume to start "
                 "over"

@@ -292,3 +292,23 @@ def test_spans_longer_than_one_call_are_encoded_in_pieces_with_the_same_bytes(tm
     assert sum(cut) > 100
     for name in ("train.bin", "train.mask", "val.bin", "val.mask"):
         assert (tmp_path / "whole" / name).read_bytes() == (tmp_path / "pieces" / name).read_bytes(), name
+
+
+def test_a_resume_under_another_template_is_refused(tmp_path, chats, monkeypatch):
+    root, _ = chats
+    run = encode_module.Encoder.run
+
+    def interrupted(self, task):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(encode_module.Encoder, "run", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        prepare([root / "b.jsonl"], tmp_path / "out", "world", workers=1)
+    monkeypatch.setattr(encode_module.Encoder, "run", run)
+    other = tmp_path / "other.json"
+    spec = G1.as_dict()
+    spec["turn_end"] = "\n"
+    other.write_text(json.dumps(spec))
+    with pytest.raises(UsageError) as e:
+        prepare([root / "b.jsonl"], tmp_path / "out", "world", workers=1, resume=True, template=other)
+    assert "holds a partial preparation with another chat template (or none); run without resume" in _one_line(e)
