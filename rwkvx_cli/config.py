@@ -203,7 +203,7 @@ class TrainConfig:
     keep_last: int = 3
     # How a checkpoint is written: "full" gathers the whole weights and optimizer state and rank 0
     # writes them (model.safetensors, optimizer.safetensors); "sharded" has every rank write its own
-    # rows in parallel (runs/sharded.py), nothing gathered. Either resumes on any number of ranks,
+    # rows in parallel (checkpoints/sharded.py), nothing gathered. Either resumes on any number of ranks,
     # and a run resumes from either whatever this says.
     checkpoint_format: str = "full"
     # Write each checkpoint in the background: the step loop waits only while the state is copied

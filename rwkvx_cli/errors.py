@@ -15,3 +15,8 @@ class UsageError(RwkvxError):
     """Bad command-line arguments or configuration (exit code 2)."""
 
     exit_code = 2
+
+
+class CheckpointError(RwkvxError):
+    """A checkpoint or weights file that cannot be written, read or used (checkpoints/; formats/'
+    FormatError is one)."""

@@ -5,14 +5,15 @@ import struct
 
 import pytest
 
+from rwkvx_cli.checkpoints.store import read_meta
 from rwkvx_cli.config import load_config
 from rwkvx_cli.data import DataError, load_tokenizer
 from rwkvx_cli.data.prepare import _load_state, _prepared_here, read_prepared_meta
+from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.formats.errors import FormatError
+from rwkvx_cli.formats.hf import read_hf_config
+from rwkvx_cli.formats.tensors import hf_shards, read_safetensors_header
 from rwkvx_cli.runs.data import check_prepared_as_asked
-from rwkvx_cli.runs.formats.errors import FormatError
-from rwkvx_cli.runs.formats.hf import read_hf_config
-from rwkvx_cli.runs.formats.tensors import hf_shards, read_safetensors_header
-from rwkvx_cli.runs.store import CheckpointError, read_meta
 from rwkvx_cli.runs.tokenizers import dir_tokenizer
 from rwkvx_cli.train.metrics import MetricsLog
 

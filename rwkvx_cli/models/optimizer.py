@@ -37,8 +37,8 @@ import torch.distributed as dist
 from torch.optim.adam import adam
 
 # How torch computes the update, not what it computes: a checkpoint's saved groups carry them, but
-# the process that loads the state keeps its own (distributed.load_full_state), and a resume never
-# compares them (checkpointer.check_optimizer_state).
+# the process that loads the state keeps its own (checkpoints/full.py's load_full_state), and a resume
+# never compares them (checkpoints/manager.py's check_optimizer_state).
 IMPLEMENTATION = frozenset({"foreach", "fused", "capturable", "differentiable"})
 
 # Keller Jordan's quintic Newton-Schulz coefficients (as torch.optim.Muon), and its step count.

@@ -1,7 +1,7 @@
-"""Runs and checkpoints on disk, and the runtime a command computes on.
+"""Run directories and what a command opens from them, and the runtime a command computes on. The
+checkpoints themselves are checkpoints/'s, other tools' files formats/'s; both sit below this package.
 
     layout      where each file of a run directory is
-    store       checkpoint directories: written atomically, verified by checksum, newest good first
     weights     weights into a model, from a checkpoint or from elsewhere (.safetensors, RWKV-LM .pth)
     tokenizers  the tokenizer of a run
     start_tokenizer  train.init_from's tokenizer, where the weights name one, against the run's
@@ -10,8 +10,8 @@
     memory      what fits the device, checked before allocating
     lock        one writer per run directory
     opening     open_checkpoint: the one loader of eval, explain and export
-    export      a checkpoint written for other tools
-    formats     the HF (fla) and RWKV-X layouts, size inference from tensors, the upcycle plan
+    initial     train.init_from: the model other weights make, an upcycle's plan
+    export      a checkpoint written for other tools (through formats/)
 """
 
 from rwkvx_cli.runs.opening import Checkpoint, Opened, find_checkpoint, open_checkpoint

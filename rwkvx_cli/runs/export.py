@@ -24,14 +24,15 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
+from rwkvx_cli.checkpoints.find import open_weights
+from rwkvx_cli.checkpoints.store import io_reason
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.errors import RwkvxError, UsageError
+from rwkvx_cli.formats import export_hf, export_rwkv_x
+from rwkvx_cli.formats.tensors import TensorSource
+from rwkvx_cli.formats.write import write_safetensors
 from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
-from rwkvx_cli.runs import store
-from rwkvx_cli.runs.formats import export_hf, export_rwkv_x
-from rwkvx_cli.runs.formats.tensors import TensorSource
-from rwkvx_cli.runs.formats.write import write_safetensors
 from rwkvx_cli.runs.opening import find_checkpoint
 from rwkvx_cli.runs.tokenizers import run_tokenizer
 
@@ -58,7 +59,7 @@ def export_checkpoint(
         raise RwkvxError(f"the {fmt} format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
     eps_warnings = eps_problem(ckpt.config.model, fmt, force)
     # Verified by find_checkpoint; model.safetensors, or a sharded checkpoint's shards, tensor by tensor.
-    with store.open_weights(ckpt.path, ckpt.meta) as source:
+    with open_weights(ckpt.path, ckpt.meta) as source:
         warnings = eps_warnings + value_problems(source, DTYPES[dtype], str(ckpt.path), force)
         try:
             if fmt == "hf":
@@ -69,11 +70,11 @@ def export_checkpoint(
             else:
                 info = _write_file(source, out, fmt, DTYPES[dtype], ckpt.meta)
         except (OSError, SafetensorError) as e:  # a full disk: the temporary file or directory is gone
-            raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
+            raise RwkvxError(f"cannot write {out}: {io_reason(e)}; {_intact(out)}") from None
         except RuntimeError as e:  # torch.save (rwkv-x) reports a failed write as RuntimeError
             if fmt != "rwkv-x":
                 raise
-            raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
+            raise RwkvxError(f"cannot write {out}: {io_reason(e)}; {_intact(out)}") from None
     return {**info, "checkpoint": str(ckpt.path), "step": ckpt.step, "warnings": warnings}
 
 
@@ -177,5 +178,5 @@ def _write_file(source: TensorSource, out: Path, fmt: str, dtype: torch.dtype, m
         os.replace(tmp, out)
     except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
         tmp.unlink(missing_ok=True)
-        raise RwkvxError(f"cannot write {out}: {store.io_reason(e)}; {_intact(out)}") from None
+        raise RwkvxError(f"cannot write {out}: {io_reason(e)}; {_intact(out)}") from None
     return {"out": str(out), "format": fmt, "tensors": len(names)}

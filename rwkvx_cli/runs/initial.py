@@ -1,16 +1,16 @@
 """`train.init_from` (and `rwkvx init --from`): the weights a run starts from, and the model they make.
 
-The sizes come from the tensors (runs/formats/sizes.py: n_layer, n_embd, head_size, vocab_size and
+The sizes come from the tensors (formats/sizes.py: n_layer, n_embd, head_size, vocab_size and
 RWKV-7's four low-rank sizes), in any layout rwkvx reads (an rwkvx checkpoint or run, RWKV-LM's
 or RWKV-X's `.pth`, an HF (fla) directory, a `.safetensors` file): the config need not repeat them,
 and a size it does write must agree, or each tensor it contradicts is named. A config that asks
 for MoBA blocks the weights do not have is an upcycle, as RWKV-X's `init_moba_from_rwkv`: the
 RWKV-7 blocks load in order and each MoBA block starts from the RWKV-7 block below it
-(runs/formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
+(formats/upcycle.py); the plan says what was loaded, copied, initialised or left out.
 
 An rwkvx run directory (or checkpoints folder) is read at its newest good checkpoint, found once as
-`eval` and `export` find it (store.resolve_checkpoint: each damaged newer one told to `on_skip`),
-and the start names its step.
+`eval` and `export` find it (checkpoints/find.py: each damaged newer one told to `on_skip`), and the
+start names its step.
 
 Before anything of the run is written, the weights are checked: every file's fields by its reader
 (docs/formats.md#files-from-elsewhere-what-is-refused-what-is-accepted), their values in one pass
@@ -26,23 +26,22 @@ from pathlib import Path
 
 import torch
 
+from rwkvx_cli.checkpoints.find import resolve_checkpoint
 from rwkvx_cli.config import Config, ModelConfig
-from rwkvx_cli.models import LM, layer_kinds
-from rwkvx_cli.runs.formats import (
+from rwkvx_cli.formats import (
     PlanRow,
     Sizes,
     apply_plan,
     config_from_sizes,
     materialize,
-    open_any,
-    open_source,
     upcycle_plan,
 )
-from rwkvx_cli.runs.formats.errors import FormatError
-from rwkvx_cli.runs.formats.sizes import LORA_FIELDS, SIZE_KEYS
-from rwkvx_cli.runs.formats.tensors import from_store
+from rwkvx_cli.formats.errors import FormatError
+from rwkvx_cli.formats.sizes import LORA_FIELDS, SIZE_KEYS
+from rwkvx_cli.formats.tensors import from_store
+from rwkvx_cli.models import LM, layer_kinds
 from rwkvx_cli.runs.start_tokenizer import check_start_tokenizer
-from rwkvx_cli.runs.store import resolve_checkpoint
+from rwkvx_cli.runs.weights import open_any, open_source
 
 OnSkip = Callable[[Path, str], None]
 
@@ -68,7 +67,7 @@ def plan_start(cfg: Config, on_skip: OnSkip | None = None) -> Start:
     `on_skip(path, reason)` hears of each damaged checkpoint of an rwkvx run passed over for an older one."""
     path = Path(cfg.train.init_from)
     checkpoint = step = None
-    if path.is_dir() and not (path / "config.json").is_file() and from_store(path):  # not HF: formats._open
+    if path.is_dir() and not (path / "config.json").is_file() and from_store(path):  # not HF: weights._open
         checkpoint, meta = resolve_checkpoint(path, on_skip)
         step = meta["step"]
     weights = str(checkpoint) if checkpoint is not None else cfg.train.init_from
@@ -126,7 +125,7 @@ def start_weights(start: Start, model: torch.nn.Module) -> dict[str, torch.Tenso
 def sizes_from(saved: ModelConfig, cfg: Config) -> ModelConfig:
     """The model of a run resumed after it started from train.init_from: the sizes its checkpoints
     have (the weights gave them), where the config does not write its own."""
-    keys = (*SIZE_KEYS, *LORA_FIELDS, "ln_x_eps")  # ln_x_eps: an HF file's (runs/formats/hf.py)
+    keys = (*SIZE_KEYS, *LORA_FIELDS, "ln_x_eps")  # ln_x_eps: an HF file's (formats/hf.py)
     kept = {k: getattr(saved, k) for k in keys if f"model.{k}" not in cfg.written and hasattr(saved, k)}
     return dataclasses.replace(cfg.model, **kept)
 

@@ -3,7 +3,7 @@
     <run>/config.yaml        the resolved config
     <run>/tokenizer.json     the tokenizer the run trains with
     <run>/data/              prepared tokens (unless data.prepared_dir or a prepared data.corpus says otherwise)
-    <run>/checkpoints/       step_NNNNNNNN/ checkpoints (runs/store.py)
+    <run>/checkpoints/       step_NNNNNNNN/ checkpoints (checkpoints/store.py)
     <run>/metrics.jsonl      one line per step (train/metrics.py)
     <run>/loss.png           the loss curves of a finished run
     <run>/.rwkvx-run         the marker that makes the directory rwkvx's (fsio.py)

@@ -51,7 +51,7 @@ class RunLock:
     def check(self) -> tuple[int, int]:
         """Raise RunLockLost when `run_dir` no longer names the directory this process locked; else
         return that directory's (st_dev, st_ino), which a checkpoints folder held open must be in
-        (runs/store.py's Root.check)."""
+        (checkpoints/store.py's Root.check)."""
         try:
             st = os.stat(self.run_dir)
             here = (st.st_dev, st.st_ino)

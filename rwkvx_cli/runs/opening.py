@@ -8,8 +8,8 @@
     open_checkpoint(path)   that, plus the run's tokenizer, the Runtime (device and precision, resolved
                             once), and the model with its weights on the device, in eval mode
 
-Training opens its own run through the same pieces: the store (runs/store.py) for resume, the
-weights loader (runs/weights.py) for train.init_from, the tokenizer rule (runs/tokenizers.py).
+Training opens its own run through the same pieces: the checkpoints (checkpoints/manager.py) for
+resume, the weights loader (runs/weights.py) for train.init_from, the tokenizer rule (runs/tokenizers.py).
 """
 
 from __future__ import annotations
@@ -19,10 +19,13 @@ from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
+from rwkvx_cli.checkpoints import full, sharded
+from rwkvx_cli.checkpoints.find import is_checkpoint_dir, open_weights, resolve_checkpoint
+from rwkvx_cli.checkpoints.store import is_step_dir, step_dirs
 from rwkvx_cli.config import Config, ConfigError, config_from_dict
+from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.fsio import RUN_MARKER
 from rwkvx_cli.models import LM
-from rwkvx_cli.runs import store
 from rwkvx_cli.runs.layout import checkpoints_dir, config_path, run_dir_of
 from rwkvx_cli.runs.memory import check_model
 from rwkvx_cli.runs.runtime import Runtime, resolve
@@ -68,11 +71,11 @@ class Opened:
 def find_checkpoint(path: Path | str, on_skip: OnSkip | None = None) -> Checkpoint:
     """The checkpoint `path` names; `on_skip(path, reason)` hears of each damaged newer checkpoint
     of a run passed over for an older one."""
-    found, meta = store.resolve_checkpoint(Path(path), on_skip)
+    found, meta = resolve_checkpoint(Path(path), on_skip)
     try:
         config = config_from_dict(meta["config"])
     except ConfigError as e:  # the file's, not the command line's: a damaged (or forged) checkpoint, exit 1
-        raise store.CheckpointError(f"{found / 'meta.json'}: its config is not valid: {e}") from None
+        raise CheckpointError(f"{found / 'meta.json'}: its config is not valid: {e}") from None
     return Checkpoint(found, meta, config)
 
 
@@ -82,10 +85,10 @@ def run_dir_named(path: Path | str) -> Path | None:
     itself. None where that is no run directory (rwkvx's marker, or an older run's config.yaml beside
     its checkpoints): a checkpoint kept outside one."""
     path = Path(path)
-    if store.is_checkpoint_dir(path) or store.is_step_dir(path):  # a damaged step_*: the loader says why
+    if is_checkpoint_dir(path) or is_step_dir(path):  # a damaged step_*: the loader says why
         run = run_dir_of(path)
-    elif not store.step_dirs(checkpoints_dir(path)) and store.step_dirs(path):
-        run = path.parent  # a checkpoints folder (store.resolve_checkpoint's order)
+    elif not step_dirs(checkpoints_dir(path)) and step_dirs(path):
+        run = path.parent  # a checkpoints folder (resolve_checkpoint's order)
     else:
         run = path
     older = config_path(run).is_file() and checkpoints_dir(run).is_dir()
@@ -121,11 +124,11 @@ def open_checkpoint(
     runtime.apply()
     check_model(cfg.model, runtime.device)  # a forged meta.json can ask for any size
     model = LM(cfg.model)
-    if store.is_sharded(ckpt.meta):  # read tensor by tensor from the shards: never a second copy of the model
-        with store.open_weights(ckpt.path, ckpt.meta) as weights:
+    if sharded.is_sharded(ckpt.meta):  # read tensor by tensor from the shards: never a second copy of the model
+        with open_weights(ckpt.path, ckpt.meta) as weights:
             load_into(model, weights, str(ckpt.path))
     else:
-        load_into(model, store.load_weights(ckpt.path), str(ckpt.path))
+        load_into(model, full.load_weights(ckpt.path), str(ckpt.path))
     model.to(runtime.device)
     model.eval()
     return Opened(model, tokenizer, runtime, ckpt)

@@ -19,7 +19,7 @@ from pathlib import Path
 
 from rwkvx_cli.config import Config
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.runs.formats.errors import FormatError
+from rwkvx_cli.formats.errors import FormatError
 
 UNKNOWN_BPE = "bpe (trained on its own corpus; not in the file)"
 
@@ -36,7 +36,7 @@ def _file_identity(path: Path) -> str | None:
     """The identity of a tokenizer file (rwkvx's byte / World JSON, an HF tokenizer.json, rwkvx's byte
     tokenizer in its HF form), or None when it cannot be read as one."""
     from rwkvx_cli.data import load_tokenizer
-    from rwkvx_cli.runs.formats.tokenizer_files import byte_tokenizer_json
+    from rwkvx_cli.formats.tokenizer_files import byte_tokenizer_json
 
     try:
         text = path.read_text(encoding="utf-8")
@@ -66,7 +66,7 @@ def source_tokenizer(path: Path) -> str | None:
         found = _file_identity(file) if file.is_file() else None
         return found or _named(ckpt.config.data.tokenizer)
     if path.suffix == ".safetensors":
-        from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
+        from rwkvx_cli.formats.tensors import SafetensorsFiles
 
         try:
             with SafetensorsFiles([path]) as source:

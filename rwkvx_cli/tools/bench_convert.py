@@ -26,9 +26,9 @@ import torch
 
 from rwkvx_cli.entry import ArgumentParser, run_main
 from rwkvx_cli.errors import RwkvxError, UsageError
-from rwkvx_cli.runs.formats import sizes as sz
-from rwkvx_cli.runs.formats.tensors import TensorSource
-from rwkvx_cli.runs.formats.write import write_shards
+from rwkvx_cli.formats import sizes as sz
+from rwkvx_cli.formats.tensors import TensorSource
+from rwkvx_cli.formats.write import write_shards
 
 SHAPE_04B = dict(vocab_size=65536, n_embd=1024, head_size=64, kinds=["rwkv7"] * 24, lora=sz.LoraRanks(64, 64, 32, 128))
 
@@ -65,7 +65,7 @@ def _status() -> dict[str, int]:
 
 def _child(kind: str, src: str, out: str) -> None:
     """One conversion, in its own process; prints its memory figures as JSON (the parent reads them)."""
-    from rwkvx_cli.runs.formats import export_hf, export_rwkv_x, open_hf, open_tensors
+    from rwkvx_cli.formats import export_hf, export_rwkv_x, open_hf, open_tensors
 
     base = _status()
     peaks = {"RssAnon": 0, "RssFile": 0}
@@ -106,7 +106,7 @@ def run_benchmark(
     three conversions, delete it all (unless `keep`: then "kept" names where it is). Returns
     {"checkpoint_bytes", "parameters", "cpu", "runs": {kind: {"baseline_rss", "peak_rss", "RssAnon",
     "RssFile", "seconds", ratios}}}."""
-    from rwkvx_cli.runs.formats.hf import DTYPES
+    from rwkvx_cli.formats.hf import DTYPES
 
     if Path(workdir).exists() and not Path(workdir).is_dir():
         raise UsageError(f"WORKDIR {workdir} is not a directory")

@@ -7,19 +7,19 @@ materialised: each rank allocates just its own shard, filled with random values,
 (exp_avg, exp_avg_sq, step) of the same shapes. Then, in each rank:
 
 - full save: the whole state gathered onto rank 0 (`get_model_state_dict` and
-  `get_optimizer_state_dict` with full_state_dict and cpu_offload, the calls of
-  train/distributed.py's `full_state`), which writes it with `store.save_checkpoint`;
-- sharded save: `runs/sharded.save_sharded`, every rank its own rows;
+  `get_optimizer_state_dict` with full_state_dict and cpu_offload: checkpoints/full.py's
+  `full_state`), which writes it with `full.save_checkpoint`;
+- sharded save: `checkpoints/sharded.save_sharded`, every rank its own rows;
 - async save (train.async_checkpoint, sharded): what the trainer's `save_async` does, through the
-  same functions: the state staged into CPU buffers (`runs/background.Staging`,
-  `sharded.stage_sharded`), then `sharded.write_sharded` on a `runs/background.Writer` thread over
+  same functions: the state staged into CPU buffers (`checkpoints/background.Staging`,
+  `sharded.stage_sharded`), then `sharded.write_sharded` on a `checkpoints/background.Writer` thread over
   its own gloo group. The stall is the staging; while the thread writes, the rank runs a stand-in
   for training (1024² fp32 matmuls), whose rate is compared with its rate before the save. The
   first staging allocates the buffers, later ones reuse them: `--saves 2` times both;
-- full load: what a resume does today on every rank (`store.verify`, reading model.safetensors,
+- full load: what a resume does today on every rank (`full.verify`, reading model.safetensors,
   `load_optimizer_state` and their finiteness checks, then `set_model_state_dict` /
-  `set_optimizer_state_dict` of full tensors, as `distributed.load_full_state`);
-- sharded load: `runs/sharded.load_sharded`.
+  `set_optimizer_state_dict` of full tensors, as `full.load_full_state`);
+- sharded load: `checkpoints/sharded.load_sharded`.
 
 Each format runs in fresh processes (so that memory freed by one does not hide the other's peak).
 Per rank: the resident set before the operation, the extra peak during it (VmHWM after resetting
@@ -121,39 +121,22 @@ def _build(args):
     return model, optimizer
 
 
-def _full_state(model, optimizer):
-    """train/distributed.py's full_state for a sharded model (tools may not import train)."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, get_optimizer_state_dict
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=opts)
-    osd = get_optimizer_state_dict(model, optimizer, options=opts)
-    if not osd:
-        return weights, {}
-    names = {id(p): n for n, p in model.named_parameters()}
-    order = {names[id(p)]: i for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"])}
-    return weights, {
-        "state": {order[n]: st for n, st in osd["state"].items()},
-        "param_groups": [{**g, "params": [order[n] for n in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
 def _load_full(ckpt: Path, model, optimizer) -> None:
-    """What a resume does on every rank today (checkpointer.load_latest, distributed.load_full_state)."""
+    """What a resume does on every rank today (manager.load_latest, full.load_full_state)."""
     from torch.distributed.checkpoint.state_dict import (
         StateDictOptions,
         set_model_state_dict,
         set_optimizer_state_dict,
     )
 
-    from rwkvx_cli.runs import store
-    from rwkvx_cli.runs.weights import check_finite
+    from rwkvx_cli.checkpoints import full, store
+    from rwkvx_cli.checkpoints.fit import check_finite
 
-    meta = store.verify(ckpt)
-    weights = store.read_safetensors(ckpt / "model.safetensors")  # store.load_weights
+    meta = full.verify(ckpt)
+    weights = store.read_safetensors(ckpt / "model.safetensors")  # full.load_weights
     check_finite(weights, str(ckpt))
-    optim = store.load_optimizer_state(ckpt, meta)
-    for st in optim["state"].values():  # checkpointer.check_optimizer_state's costly part
+    optim = full.load_optimizer_state(ckpt, meta)
+    for st in optim["state"].values():  # manager.check_optimizer_state's costly part
         for t in st.values():
             if not torch.isfinite(t).all():
                 raise ValueError("non-finite optimizer state")
@@ -188,15 +171,15 @@ def _matmul_rate(seconds: float, until=None) -> float:
 
 
 def _save_async(root: Path, step: int, model, optimizer, meta, staging, group) -> dict:
-    """The trainer's save_async for the sharded format (train/checkpointer.py), timed."""
-    from rwkvx_cli.runs import sharded
-    from rwkvx_cli.runs.background import Writer
+    """The trainer's save_async for the sharded format (checkpoints/manager.py), timed."""
+    from rwkvx_cli.checkpoints import ranks, sharded
+    from rwkvx_cli.checkpoints.background import Writer
 
     before = _matmul_rate(2.0)
     with _Measure() as stall:
         staging.begin()
         fail = sharded.save_failure(root, step)
-        staged = sharded.together(lambda: sharded.stage_sharded(model, optimizer, staging.copy), fail)
+        staged = ranks.together(lambda: sharded.stage_sharded(model, optimizer, staging.copy), fail)
         staging.finish()
         writer = Writer(step, lambda: sharded.write_sharded(root, step, staged, meta, 1, None, group))
     with _Measure() as written:
@@ -215,8 +198,8 @@ def _worker(rank: int, world: int, port: int, fmt: str, args, root: str, out: st
     """One rank of one format: its checkpoints under `root`, its rows appended to `out` (rank 0)."""
     import torch.distributed as dist
 
-    from rwkvx_cli.runs import sharded, store
-    from rwkvx_cli.runs.background import Staging, writer_group
+    from rwkvx_cli.checkpoints import full, sharded
+    from rwkvx_cli.checkpoints.background import Staging, writer_group
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
@@ -235,10 +218,10 @@ def _worker(rank: int, world: int, port: int, fmt: str, args, root: str, out: st
     else:
         with _Measure() as save:
             if fmt == "full":
-                weights, optim = _full_state(model, optimizer)
+                weights, optim = full.full_state(model, optimizer)
                 gathered = time.perf_counter() - save.t0
                 if rank == 0:
-                    store.save_checkpoint(root, 1, weights, optim, meta, keep_last=1)
+                    full.save_checkpoint(root, 1, weights, optim, meta, keep_last=1)
                 del weights, optim
             else:
                 sharded.save_sharded(root, 1, model, optimizer, meta, keep_last=1)

@@ -3,9 +3,9 @@ few collectives the trainer needs. Without torchrun every function here is a no-
 a single process, so the trainer has one code path.
 
 Each rank reads rows rank, rank + N, ... of the step's global batch (a function of seed
-and step), so the global batch, and with it the loss, does not depend on N.
-Full checkpoints hold whole tensors (`full_state`, `load_full_state`), sharded ones each rank's
-rows (runs/sharded.py): either loads into any number of ranks and either mode.
+and step), so the global batch, and with it the loss, does not depend on N. A checkpoint gathers
+and sets the state itself (checkpoints/full.py: whole tensors; checkpoints/sharded.py: each rank's
+rows): either loads into any number of ranks and either mode.
 
 No rank is left waiting for one that stopped: start-up work that one rank does alone (rank 0
 claims the run directory, checks the data, writes the run files) or that may fail on one rank
@@ -25,10 +25,9 @@ from typing import TypeVar
 import torch
 import torch.distributed as dist
 
+from rwkvx_cli.checkpoints.ranks import all_gather, one_line
 from rwkvx_cli.config import ConfigError
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.models.optimizer import implementation, restore_implementation
-from rwkvx_cli.runs.sharded import all_gather, one_line
 
 T = TypeVar("T")
 
@@ -93,7 +92,7 @@ class RankStopped(RwkvxError):
 
 def agreed(fn: Callable[[], T]) -> T:
     """Run `fn` on every rank (work for one rank alone: `fn` tests the rank) and agree on the outcome
-    (runs/sharded.py's all_gather), in place of a barrier: this rank's result when every rank succeeded;
+    (checkpoints/ranks.py's all_gather), in place of a barrier: this rank's result when every rank succeeded;
     else every rank raises, the ones that failed their own error (a bug with its traceback), the others
     RankStopped with the first failing rank's one line and exit code ("rank r: " before it but for
     rank 0's). `fn` must not communicate itself: a rank failing before a collective would leave the
@@ -205,95 +204,8 @@ def any_rank(*flags: bool, device: torch.device) -> bool | tuple[bool, ...]:
     return flags[0] if len(flags) == 1 else tuple(flags)
 
 
-def broadcast(obj, src: int = 0):
-    """Rank `src`'s picklable Python object on every rank (internal use only: never data from files)."""
-    if not active():
-        return obj
-    box = [obj]
-    dist.broadcast_object_list(box, src=src)
-    return box[0]
-
-
-def gather_rows(local: torch.Tensor, world_size: int) -> torch.Tensor:
-    """The global-batch tensor from every rank's rows (rank r holds global rows r, r + N, ...)."""
-    if not active():
-        return local
-    parts = [torch.empty_like(local) for _ in range(world_size)]
-    dist.all_gather(parts, local.contiguous())
-    return torch.stack(parts, dim=1).reshape(-1, *local.shape[1:])
-
-
-def local_rows(global_t: torch.Tensor, info: DistInfo) -> torch.Tensor:
-    return global_t[info.rank :: info.world_size]
-
-
 def clip_grad_norm_(model: torch.nn.Module, max_norm: float) -> torch.Tensor:
     """Clip the gradients in place to a total norm of at most `max_norm`; returns the total norm
     before clipping, the same on every rank."""
     norm = torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm)
     return norm.full_tensor() if hasattr(norm, "full_tensor") else norm
-
-
-def sharded(model) -> bool:
-    return any(hasattr(p, "full_tensor") for p in model.parameters())
-
-
-def param_names(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> list[str]:
-    """The names of the optimizer's parameters in its state_dict's integer order."""
-    names = {id(p): n for n, p in model.named_parameters()}
-    return [names[id(p)] for g in optimizer.param_groups for p in g["params"]]
-
-
-def full_state(model: torch.nn.Module, optimizer) -> tuple[dict, dict | None]:
-    """(weights, optimizer state_dict with integer keys), full tensors on the CPU; under FSDP a
-    collective whose result only rank 0 gets (the others get empty dicts)."""
-    if not sharded(model):
-        return model.state_dict(), optimizer.state_dict() if optimizer is not None else None
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        get_model_state_dict,
-        get_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True, cpu_offload=True)
-    weights = get_model_state_dict(model, options=opts)
-    if optimizer is None:
-        return weights, None
-    osd = get_optimizer_state_dict(model, optimizer, options=opts)
-    if not osd:
-        return weights, {}
-    index = {name: i for i, name in enumerate(param_names(model, optimizer))}
-    return weights, {
-        "state": {index[name]: st for name, st in osd["state"].items()},
-        "param_groups": [{**g, "params": [index[n] for n in g["params"]]} for g in osd["param_groups"]],
-    }
-
-
-def load_full_state(model: torch.nn.Module, optimizer, weights: dict, optim_state: dict | None) -> None:
-    """Load full tensors (as written by `full_state`) into a plain or sharded model and its optimizer.
-    The optimizer keeps its own implementation flags (models/optimizer.py), whatever the state's say."""
-    flags = implementation(optimizer) if optimizer is not None else None
-    if not sharded(model):
-        model.load_state_dict(weights)
-        if optim_state is not None:
-            optimizer.load_state_dict(optim_state)
-            restore_implementation(optimizer, flags)
-        return
-    from torch.distributed.checkpoint.state_dict import (
-        StateDictOptions,
-        set_model_state_dict,
-        set_optimizer_state_dict,
-    )
-
-    opts = StateDictOptions(full_state_dict=True)
-    set_model_state_dict(model, weights, options=opts)
-    if optim_state is not None:
-        names = param_names(model, optimizer)
-        groups = optim_state["param_groups"]
-        osd = {
-            "state": {names[int(i)]: st for i, st in optim_state["state"].items()},
-            "param_groups": [{**g, "params": [names[int(i)] for i in g["params"]]} for g in groups],
-        }
-        # Not strict: parameters that never get a gradient (layer 0's frozen att.v0/v1/v2) have no state.
-        set_optimizer_state_dict(model, optimizer, osd, options=StateDictOptions(full_state_dict=True, strict=False))
-        restore_implementation(optimizer, flags)

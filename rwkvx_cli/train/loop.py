@@ -1,6 +1,6 @@
 """The training loop: AdamW with RWKV-LM's groups, warmup + cosine by tokens,
 gradient accumulation and clipping, periodic validation, checkpoints (when, and an
-exact resume: train/checkpointer.py) and the metrics log (train/metrics.py). Batches
+exact resume: checkpoints/manager.py) and the metrics log (train/metrics.py). Batches
 are a pure function of (seed, step). Data-parallel under torchrun (train/distributed.py):
 the global batch of a step is the same for any number of ranks, each rank taking its
 rows in micro-batches of at most `train.micro_batch`, so the loss does not depend on N.
@@ -20,6 +20,8 @@ from pathlib import Path
 
 import torch
 
+from rwkvx_cli.checkpoints.manager import CheckpointManager
+from rwkvx_cli.checkpoints.ranks import sharded
 from rwkvx_cli.config import Config, ConfigError
 from rwkvx_cli.data.sampler import EpochSampler, MixtureSampler, StreamSampler, WindowSampler
 from rwkvx_cli.errors import RwkvxError
@@ -31,7 +33,6 @@ from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.layout import checkpoints_dir, metrics_path
 from rwkvx_cli.train import distributed
-from rwkvx_cli.train.checkpointer import CheckpointManager
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import Sinks, mfu_pct
 from rwkvx_cli.train.metrics import MetricsLog, StepMetrics
@@ -123,7 +124,7 @@ class Trainer:
         self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
         params = dict(self.model.named_parameters())
         self.optimizer = optimizers.build(
-            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, distributed.sharded(self.model)
+            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, sharded(self.model)
         )
         self.sampler = make_sampler(cfg, train_tokens, self.global_rows, train_mask)
         self.loss_tokens: int | None = None  # the last step's targets that carry loss (with masks)
@@ -158,7 +159,7 @@ class Trainer:
     def precision(self) -> str:
         return self.runtime.precision
 
-    # -- checkpoints (what and when: train/checkpointer.py) ------------------------------------------
+    # -- checkpoints (what and when: checkpoints/manager.py) -----------------------------------------
     def save(self) -> Path | None:
         """Checkpoint now (full: rank 0 writes, under FSDP every rank takes part in gathering it;
         sharded: every rank writes its own rows)."""

@@ -28,17 +28,18 @@ from pathlib import Path
 import torch
 import yaml
 
+from rwkvx_cli.checkpoints import full, store
+from rwkvx_cli.checkpoints.manager import resume_changes, tokens_trained
 from rwkvx_cli.config import Config, ConfigError, config_from_dict, config_to_dict, resolve_paths
 from rwkvx_cli.data import PrepareStats
-from rwkvx_cli.errors import UsageError
+from rwkvx_cli.errors import CheckpointError, UsageError
+from rwkvx_cli.formats.sizes import sizes_line
 from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, check_writable_dir, claim_dir
 from rwkvx_cli.models import LM, build_model
 from rwkvx_cli.models.generate import generate
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
-from rwkvx_cli.runs import store
 from rwkvx_cli.runs.data import RunData, ensure_data, needs_preparing, prepare_command
-from rwkvx_cli.runs.formats.sizes import sizes_line
 from rwkvx_cli.runs.initial import Start, plan_start, plan_summary, sizes_from, start_weights
 from rwkvx_cli.runs.layout import checkpoints_dir, config_path, loss_plot_path, metrics_path, tokenizer_path
 from rwkvx_cli.runs.lock import LOCK_NAME, hold_run
@@ -47,7 +48,6 @@ from rwkvx_cli.runs.opening import Checkpoint, find_checkpoint
 from rwkvx_cli.runs.tokenizers import check_same_tokenizer
 from rwkvx_cli.runs.weights import load_into
 from rwkvx_cli.train import distributed
-from rwkvx_cli.train.checkpointer import resume_changes, tokens_trained
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
 from rwkvx_cli.train.loggers import check_available as check_loggers
 from rwkvx_cli.train.loop import Trainer
@@ -106,7 +106,7 @@ def init_run(
         if start is not None:
             load_into(model, start_weights(start, model), start.source)
         meta = {"config": config_to_dict(cfg)}
-        store.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
+        full.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
     summary = model_summary(model)
     if start is not None:
         summary["initial"] = start_report(start)
@@ -198,7 +198,7 @@ def run_training(
     """Train `cfg` in its run directory (see the module docstring). `on_skip(path, reason)` hears
     of each damaged checkpoint passed over on resume; `data_progress()` is entered around the data
     preparation and yields its progress callback (done, total). A resume refuses settings that
-    differ from its checkpoint's, but for those in `allow_change` (train/checkpointer.py). `cfg`'s
+    differ from its checkpoint's, but for those in `allow_change` (checkpoints/manager.py). `cfg`'s
     paths are made absolute first (config.resolve_paths), so the run's saved config names the same
     files from any directory, and a relative path given again from the run's first directory is no change."""
     resolve_paths(cfg)
@@ -223,7 +223,7 @@ def _saved_config(run_dir: Path) -> Config | None:
     for path in reversed(store.list_checkpoints(checkpoints_dir(run_dir))):
         try:
             return resolve_paths(config_from_dict(store.read_meta(path)["config"]))
-        except (store.CheckpointError, ConfigError):
+        except (CheckpointError, ConfigError):
             continue  # damaged: resume reports it and falls back
     return None
 
@@ -284,7 +284,7 @@ def plan_decay(cfg: Config, run_dir: Path, on_skip=None) -> Checkpoint:
 
 
 # Settings that decide only how a run starts (the init's key gain, the weights it starts from): a resume
-# may give other values (train/checkpointer.py's OPERATIONAL), which change nothing it computes, so the
+# may give other values (checkpoints/manager.py's OPERATIONAL), which change nothing it computes, so the
 # run keeps the ones it started with, in config.yaml and every checkpoint, and says so.
 INIT_ONLY = ("model.ffn_key_gain", "train.init_from", "train.decay_from")
 

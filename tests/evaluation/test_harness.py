@@ -10,13 +10,14 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import find, full
+from rwkvx_cli.checkpoints import store as ck
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import config_from_dict
 from rwkvx_cli.data.tokenizer import ByteTokenizer
 from rwkvx_cli.evaluation.scoring import greedy_until, score_continuations
 from rwkvx_cli.models import LM
 from rwkvx_cli.models.generate import generate
-from rwkvx_cli.runs import store as ck
 from rwkvx_cli.runs.weights import load_into
 
 lm_eval = pytest.importorskip("lm_eval")
@@ -122,14 +123,14 @@ def run(tmp_path_factory):
     args += ["model.head_size=32", "train.ctx_len=32", "train.device=cpu"]
     result = runner.invoke(app, ["init", *args])
     assert result.exit_code == 0, result.output
-    step0, _ = ck.resolve_checkpoint(run_dir)
+    step0, _ = find.resolve_checkpoint(run_dir)
     meta = ck.read_meta(step0)
-    weights = ck.load_weights(step0)
+    weights = full.load_weights(step0)
     gen = torch.Generator().manual_seed(0)
     weights["emb.weight"] = torch.randn(weights["emb.weight"].shape, generator=gen)
     weights["head.weight"] = torch.randn(weights["head.weight"].shape, generator=gen) * 0.3
     keep = {k: v for k, v in meta.items() if k not in ("step", "format", "files", "meta_sha256")}
-    ck.save_checkpoint(run_dir / "checkpoints", 1, weights, None, keep, keep_last=5)
+    full.save_checkpoint(run_dir / "checkpoints", 1, weights, None, keep, keep_last=5)
 
     tasks = root / "tasks"
     tasks.mkdir()
@@ -148,10 +149,10 @@ def run(tmp_path_factory):
 
 
 def load_model(run_dir):
-    path, _ = ck.resolve_checkpoint(run_dir)
+    path, _ = find.resolve_checkpoint(run_dir)
     cfg = config_from_dict(ck.read_meta(path)["config"])
     model = LM(cfg.model)
-    load_into(model, ck.load_weights(path), str(path))
+    load_into(model, full.load_weights(path), str(path))
     return model.eval()
 
 
@@ -266,7 +267,7 @@ def test_unknown_task_is_one_line_before_any_model_work(run, monkeypatch, tmp_pa
     def no_model(*a, **k):
         raise AssertionError("the checkpoint was read before the task names were checked")
 
-    monkeypatch.setattr(ck, "load_weights", no_model)
+    monkeypatch.setattr(full, "load_weights", no_model)
     # lm-eval's ~14,000 built-in task YAMLs take seconds to index: stand a one-task folder in for them.
     import lm_eval.tasks.manager
 

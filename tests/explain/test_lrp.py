@@ -5,12 +5,12 @@ targets parsed, and `explain_checkpoint` on a saved run."""
 import pytest
 import torch
 
+from rwkvx_cli.checkpoints.full import save_checkpoint
 from rwkvx_cli.config import Config, ModelConfig, config_to_dict
 from rwkvx_cli.data.tokenizer import ByteTokenizer
 from rwkvx_cli.errors import UsageError
 from rwkvx_cli.explain import UnsupportedModelError, explain_checkpoint, explain_tokens, lrp
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs.store import save_checkpoint
 
 STACKS = {
     "rwkv4": ["rwkv4", "rwkv4"],

@@ -5,13 +5,13 @@ tensors it takes, its update against the formula in fp64, its state, and how mat
 import pytest
 import torch
 
+from rwkvx_cli.checkpoints.full import load_full_state
+from rwkvx_cli.checkpoints.manager import check_optimizer_state
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.models import build_model, parameter_groups
 from rwkvx_cli.models.model import muon_matrices
 from rwkvx_cli.models.optimizer import MuonAdamW, adamw, newton_schulz, owners
-from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.train.checkpointer import check_optimizer_state
-from rwkvx_cli.train.distributed import load_full_state
 
 
 def _stepped(opt_of, steps=3):

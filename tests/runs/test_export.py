@@ -8,10 +8,10 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints.full import save_checkpoint
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, ModelConfig, config_to_dict
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs.store import save_checkpoint
 
 runner = CliRunner()
 
@@ -121,7 +121,7 @@ def test_a_pth_export_refuses_a_group_norm_eps_its_readers_do_not_use(tmp_path):
     out = tmp_path / "model.safetensors"
     result = export(tmp_path / "run", "safetensors", out)
     assert result.exit_code == 0, result.output
-    from rwkvx_cli.runs.formats import open_any
+    from rwkvx_cli.runs.weights import open_any
 
     source, sizes = open_any(out)
     source.close()
@@ -129,8 +129,8 @@ def test_a_pth_export_refuses_a_group_norm_eps_its_readers_do_not_use(tmp_path):
 
 
 def test_a_checkpoint_from_before_ln_x_eps_loads_with_the_default(tmp_path):
-    from rwkvx_cli.runs.formats import open_any
     from rwkvx_cli.runs.opening import find_checkpoint
+    from rwkvx_cli.runs.weights import open_any
 
     cfg = Config(model=ModelConfig(vocab_size=97, n_layer=1, n_embd=64, head_size=64))
     old = config_to_dict(cfg)
@@ -163,7 +163,7 @@ def test_a_full_disk_names_the_output_and_what_is_intact(trained_like_run, tmp_p
     result = runner.invoke(app, ["export", "--checkpoint", str(run), "--out", str(out), "--force"])
     assert result.exit_code == 1 and "the file that was there is unchanged" in result.stderr
     assert out.read_bytes() == b"an earlier export"
-    monkeypatch.setattr("rwkvx_cli.runs.formats.hf.write_shards", full)  # the hf directory's safetensors
+    monkeypatch.setattr("rwkvx_cli.formats.hf.write_shards", full)  # the hf directory's safetensors
     result = runner.invoke(app, ["export", "--checkpoint", str(run), "--format", "hf", "--out", str(tmp_path / "hf")])
     assert result.exit_code == 1 and len(result.stderr.strip().splitlines()) == 1, result.output
     assert result.stderr.strip().startswith(f"error: cannot write {tmp_path / 'hf'}: No space left on device; nothing")

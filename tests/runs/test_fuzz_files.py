@@ -18,13 +18,13 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints.full import save_checkpoint
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, config_to_dict
 from rwkvx_cli.data import ByteTokenizer
+from rwkvx_cli.formats import export_hf
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs.formats import export_hf
-from rwkvx_cli.runs.store import save_checkpoint
-from tests.runs.formats.forge import TINY, join, split, tiny_state, write_tiny
+from tests.formats.forge import TINY, join, split, tiny_state, write_tiny
 from tests.train.helpers import one_line_error
 
 runner = CliRunner()

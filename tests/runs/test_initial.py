@@ -5,9 +5,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import full, store
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import load_config
-from rwkvx_cli.runs import store
 from rwkvx_cli.runs.opening import find_checkpoint
 from tests.train.helpers import tiny_args
 
@@ -33,7 +33,7 @@ def source(tmp_path_factory, corpus):
 
 
 def weights_of(run):
-    return store.load_weights(store.list_checkpoints(run / "checkpoints")[-1])
+    return full.load_weights(store.list_checkpoints(run / "checkpoints")[-1])
 
 
 @pytest.mark.parametrize("layout", ["run", "model.pth", "hf"])
@@ -117,11 +117,11 @@ def test_an_hf_model_of_head_size_32_keeps_its_group_norm_eps_through_init_resum
     the hf export writes back as norm_eps 1e-5."""
     import json
 
+    from rwkvx_cli.checkpoints.manager import resume_changes
     from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.formats import export_hf
     from rwkvx_cli.models import build_model
-    from rwkvx_cli.runs.formats import export_hf
     from rwkvx_cli.runs.initial import sizes_from
-    from rwkvx_cli.train.checkpointer import resume_changes
 
     cfg = ModelConfig(vocab_size=257, n_layer=2, n_embd=64, head_size=32, ln_x_eps=32e-5)
     export_hf(build_model(cfg, 1).state_dict(), tmp_path / "hf", cfg=cfg)
@@ -157,16 +157,16 @@ def _flip_byte(path):
 def _run_of_two_checkpoints(root, fmt):
     """A run directory with checkpoints at steps 2 and 4 (written in `fmt`), each its step in every value of
     emb.weight; the newest then damaged by a flipped byte."""
+    from rwkvx_cli.checkpoints import sharded
     from rwkvx_cli.config import Config, ModelConfig, config_to_dict
     from rwkvx_cli.models import LM
-    from rwkvx_cli.runs import sharded
 
     cfg = Config(run_dir=str(root), model=ModelConfig(n_layer=1, n_embd=32, head_size=32))
     model = LM(cfg.model)
     for step in (2, 4):
         with torch.no_grad():
             model.emb.weight.fill_(step)
-        save = store.save_checkpoint if fmt == "full" else sharded.save_sharded
+        save = full.save_checkpoint if fmt == "full" else sharded.save_sharded
         save(root / "checkpoints", step, model, None, {"config": config_to_dict(cfg)}, 3)
     newest = root / "checkpoints" / "step_00000004"
     _flip_byte(newest / ("model.safetensors" if fmt == "full" else "shard-00000-of-00001.safetensors"))
@@ -177,7 +177,7 @@ def _run_of_two_checkpoints(root, fmt):
 def test_init_from_a_run_passes_over_a_damaged_newest_checkpoint_with_a_warning_and_names_the_step(
     tmp_path, corpus, fmt
 ):
-    """`init --from RUN` finds its checkpoint as eval and export do (store.latest_good): a damaged newest one is
+    """`init --from RUN` finds its checkpoint as eval and export do (find.latest_good): a damaged newest one is
     reported, left where it is, and the one started from named by its step."""
     source = _run_of_two_checkpoints(tmp_path / "source", fmt)
     run = tmp_path / "new"

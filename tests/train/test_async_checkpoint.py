@@ -17,12 +17,12 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import find, full, sharded
+from rwkvx_cli.checkpoints.background import Staging
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, ModelConfig, TrainConfig
 from rwkvx_cli.data import ByteTokenizer
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs import sharded, store
-from rwkvx_cli.runs.background import Staging
 from rwkvx_cli.train.loop import Trainer
 from tests.train.helpers import losses, tiny_args
 
@@ -95,7 +95,7 @@ def make_trainer(run_dir, fmt: str, background: bool) -> Trainer:
 
 def held_back(monkeypatch, fmt: str, release):
     """Make the background write of the first checkpoint wait until `release()` is true (at most 60 s)."""
-    module, name = (sharded, "write_sharded") if fmt == "sharded" else (store, "save_checkpoint")
+    module, name = (sharded, "write_sharded") if fmt == "sharded" else (full, "save_checkpoint")
     original = getattr(module, name)
     held = []
 
@@ -145,7 +145,7 @@ def test_a_stop_request_and_the_end_wait_for_the_write(tmp_path, monkeypatch):
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_a_failed_background_write_stops_the_run_in_one_line(tmp_path, corpus, monkeypatch, fmt):
-    from rwkvx_cli.runs.formats import write
+    from rwkvx_cli.formats import write
 
     run = tmp_path / "run"
     original = write.write_safetensors  # every checkpoint file of tensors, in either format (store.write_tensors)
@@ -165,7 +165,7 @@ def test_a_failed_background_write_stops_the_run_in_one_line(tmp_path, corpus, m
     assert "the earlier checkpoints are intact" in line
     names = sorted(p.name for p in (run / "checkpoints").iterdir())
     assert names == ["step_00000004"]  # no partial directory left, step 10 never begun
-    assert store.verify(run / "checkpoints" / "step_00000004")["step"] == 4
+    assert find.verify(run / "checkpoints" / "step_00000004")["step"] == 4
     monkeypatch.undo()
     result = train(*tiny_args(run, corpus, *settings(fmt, True)), "--resume")
     assert "resumed from step 4" in result.stderr

@@ -11,8 +11,8 @@ import time
 import pytest
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import find, full, store
 from rwkvx_cli.cli import app
-from rwkvx_cli.runs import store
 from tests.train.helpers import REPO, cli_command, env, one_line_error, run_cli, tiny_args
 
 runner = CliRunner()
@@ -270,7 +270,7 @@ def test_export_refuses_non_finite_weights_and_fp16_overflow(tmp_path):
     weights = build_model(cfg.model, 0).state_dict()
     weights["emb.weight"][0, :3] = float("nan")
     weights["head.weight"][0, 0] = 1e6  # finite in fp32, inf in fp16
-    store.save_checkpoint(tmp_path / "run" / "checkpoints", 1, weights, None, {"config": config_to_dict(cfg)}, 3)
+    full.save_checkpoint(tmp_path / "run" / "checkpoints", 1, weights, None, {"config": config_to_dict(cfg)}, 3)
     args = ["export", "--checkpoint", tmp_path / "run", "--format", "safetensors", "--out", tmp_path / "m.safetensors"]
     line = one_line_error(invoke(*args), 1)
     assert "3 non-finite values (in emb.weight)" in line and "--force" in line
@@ -425,7 +425,7 @@ def test_links_planted_in_a_checkpoint_temp_dir_are_never_written_through(tmp_pa
     assert all(v.read_text() == "precious\n" for v in victims)
     assert result.exit_code == 0, result.output
     ckpt = run / "checkpoints" / "step_00000004"
-    written = [*store.verify(ckpt)["files"], "meta.json"]  # a planted name the format does not write stays, unread
+    written = [*find.verify(ckpt)["files"], "meta.json"]  # a planted name the format does not write stays, unread
     assert len(written) >= 4 and not any((ckpt / name).is_symlink() for name in written)
 
 
@@ -446,7 +446,7 @@ def test_a_link_planted_at_a_checkpoint_temp_dir_is_removed_never_followed(train
     assert result.exit_code == 0, result.output
     assert os.listdir(victim) == ["keep.txt"] and (victim / "keep.txt").read_text() == "precious\n"
     assert not os.path.lexists(planted)
-    assert store.verify(run / "checkpoints" / "step_00000004")["step"] == 4
+    assert find.verify(run / "checkpoints" / "step_00000004")["step"] == 4
 
 
 def _replace_run(run, moved):
@@ -462,7 +462,7 @@ def test_a_run_directory_replaced_during_a_checkpoint_receives_nothing(tmp_path,
     after the guard passed (before the save made anything), or once the save made its `.tmp-step_N`.
     The save stops in one line; the new directory holds only the user's file; the moved one its earlier
     checkpoint and no partial `.tmp-step_N`."""
-    from rwkvx_cli.train.checkpointer import CheckpointManager
+    from rwkvx_cli.checkpoints.manager import CheckpointManager
 
     run, moved = tmp_path / "run", tmp_path / "moved"
     if moment == "after the guard":
@@ -481,7 +481,7 @@ def test_a_run_directory_replaced_during_a_checkpoint_receives_nothing(tmp_path,
     assert "cannot write the checkpoint of step 4" in line and "moved, deleted or replaced" in line, line
     assert os.listdir(run) == ["notes.txt"]
     assert sorted(os.listdir(moved / "checkpoints")) == ["step_00000002"]
-    assert store.verify(moved / "checkpoints" / "step_00000002")["step"] == 2
+    assert find.verify(moved / "checkpoints" / "step_00000002")["step"] == 2
 
 
 def test_a_symlinked_checkpoints_folder_is_refused_in_one_line(trained, tmp_path, corpus):

@@ -17,14 +17,14 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import full
+from rwkvx_cli.checkpoints.fit import mismatch
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import Config, ModelConfig, TrainConfig
 from rwkvx_cli.data import ByteTokenizer
-from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.errors import CheckpointError, RwkvxError
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs import store as ck
-from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.runs.weights import load_weights_file, mismatch
+from rwkvx_cli.runs.weights import load_weights_file
 from rwkvx_cli.train.loop import Trainer
 from tests.train.helpers import tiny_args
 
@@ -221,7 +221,7 @@ def test_init_from_loads_an_rwkv_lm_pth_and_reports_a_mismatch(tmp_path, corpus)
     fresh = tmp_path / "fresh"
     result = runner.invoke(app, ["init", *tiny_args(fresh, corpus, f"train.init_from={pth}")])
     assert result.exit_code == 0, result.output
-    loaded = ck.load_weights(fresh / "checkpoints" / "step_00000000")
+    loaded = full.load_weights(fresh / "checkpoints" / "step_00000000")
     exported = torch.load(pth, weights_only=True)
     assert all(torch.equal(loaded[k], v) for k, v in exported.items())
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import full
 from rwkvx_cli.cli import app
 from tests.train.helpers import REPO, env, losses, one_line_error, rollback_to, rows, run_cli, tiny_args
 
@@ -114,14 +115,14 @@ def test_fsdp2_shards_of_any_row_count_are_orthogonalised_whole(tmp_path):
 
 
 def test_muon_under_bf16_mixed_and_grad_accum_keeps_fp32_momentum(tmp_path, corpus):
-    from rwkvx_cli.runs import store
+    from rwkvx_cli.checkpoints import store
 
     run = tmp_path / "run"
     train(*tiny_args(run, corpus, *MUON, "train.precision=bf16-mixed", "train.grad_accum=2", "train.micro_batch=2"))
     got = losses(run)
     assert len(got) == 10 and got[-1] < got[0] - 1, got
     ckpt = store.list_checkpoints(run / "checkpoints")[-1]
-    state = store.load_optimizer_state(ckpt, store.read_meta(ckpt))
+    state = full.load_optimizer_state(ckpt, store.read_meta(ckpt))
     muon = [g for g in state["param_groups"] if g.get("muon")]
     assert len(muon) == 1 and muon[0]["params"]
     buffers = [state["state"][i]["momentum_buffer"] for i in muon[0]["params"]]

@@ -15,14 +15,15 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import find
+from rwkvx_cli.checkpoints import store as ck
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import ConfigError, load_config
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import read_prepared_meta
+from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.fsio import RUN_MARKER, NotOurDirectory, check_writable_dir
 from rwkvx_cli.models.generate import sample_next
-from rwkvx_cli.runs import store as ck
-from rwkvx_cli.runs.store import CheckpointError
 from rwkvx_cli.runs.weights import load_weights_file
 from tests.train.helpers import REPO, cli_command, env, one_line_error, run_cli, tiny_args
 
@@ -222,7 +223,7 @@ def test_a_checkpoint_write_that_hits_the_file_size_limit_is_one_line_and_keeps_
     assert "Traceback" not in proc.stderr
     assert "cannot write the checkpoint of step 6" in proc.stderr and "File too large" in proc.stderr
     assert ck.list_checkpoints(run_copy / "checkpoints") == before
-    ck.verify(before[-1])
+    find.verify(before[-1])
     assert not list((run_copy / "checkpoints").glob(".tmp-*"))
 
 
@@ -393,7 +394,7 @@ def test_a_second_sigterm_while_stopping_does_not_kill_the_save(tmp_path, corpus
     _, stderr = proc.communicate(timeout=120)
     assert proc.returncode in (0, 143), stderr  # 143: after the save, and it says so
     assert "Traceback" not in stderr
-    ck.verify(ck.list_checkpoints(run / "checkpoints")[-1])
+    find.verify(ck.list_checkpoints(run / "checkpoints")[-1])
 
 
 # -- 8. train.compile=true with a warm inductor cache ------------------------------------------------

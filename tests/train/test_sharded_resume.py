@@ -13,8 +13,9 @@ import torch
 from safetensors.torch import load_file
 from typer.testing import CliRunner
 
+from rwkvx_cli.checkpoints import find, sharded
+from rwkvx_cli.checkpoints.full import load_weights
 from rwkvx_cli.cli import app
-from rwkvx_cli.runs import sharded, store
 from rwkvx_cli.runs.weights import load_weights_file
 from tests.train.helpers import losses, rollback_to, rows, run_cli, tiny_args
 
@@ -63,7 +64,7 @@ def test_a_sharded_run_computes_what_a_full_one_does_and_resumes_exactly(runs, t
         "meta.json",
         "shard-00000-of-00001.safetensors",
     ]
-    assert sharded.is_sharded(store.verify(step))
+    assert sharded.is_sharded(find.verify(step))
 
     run = copy_run(runs, "sharded", tmp_path)
     rollback_to(run, 4)
@@ -82,7 +83,7 @@ def test_a_resume_switches_the_format_either_way_exactly(runs, tmp_path, corpus)
     assert losses(run) == reference
     ckpts = run / "checkpoints"
     assert names(run) == ["step_00000008", "step_00000010"]  # keep_last counted the full step 4 too
-    assert all(sharded.is_sharded(store.verify(ckpts / n)) for n in names(run))
+    assert all(sharded.is_sharded(find.verify(ckpts / n)) for n in names(run))
 
     rollback_to(run, 8)  # a sharded checkpoint, resumed writing full ones
     result = train(*tiny_args(run, corpus, *TBPTT, FULL, "train.keep_last=1"), "--resume")
@@ -90,7 +91,7 @@ def test_a_resume_switches_the_format_either_way_exactly(runs, tmp_path, corpus)
     assert losses(run) == reference
     assert names(run) == ["step_00000010"]  # the full save's keep_last removed the sharded step 8
     assert (ckpts / "step_00000010" / "model.safetensors").is_file()
-    assert not store.is_sharded(store.verify(ckpts / "step_00000010"))
+    assert not sharded.is_sharded(find.verify(ckpts / "step_00000010"))
 
 
 def test_eval_export_and_init_read_a_sharded_checkpoint_as_the_full_one(runs, tmp_path, corpus):
@@ -123,7 +124,7 @@ def test_eval_export_and_init_read_a_sharded_checkpoint_as_the_full_one(runs, tm
     assert all(torch.equal(weights[n], t) for n, t in exported["full"].items())
     result = runner.invoke(app, ["init", *tiny_args(tmp_path / "new", corpus), "--from", str(runs["sharded"])])
     assert result.exit_code == 0, result.output
-    start = store.load_weights(tmp_path / "new" / "checkpoints" / "step_00000000")
+    start = load_weights(tmp_path / "new" / "checkpoints" / "step_00000000")
     assert all(torch.equal(start[n], t) for n, t in exported["full"].items())
 
 

@@ -237,8 +237,8 @@ def test_architecture_mismatch_on_resume_names_what_differs(tmp_path, corpus):
 def test_a_resume_may_change_the_init_gain_which_the_weights_no_longer_depend_on(tmp_path, corpus):
     """model.ffn_key_gain decides the init only: a run started before the setting existed (its checkpoints read as
     1.0) resumes under a config that sets 2.0, as `make demo --resume` does after the tiny config gained it."""
+    from rwkvx_cli.checkpoints.manager import resume_changes
     from rwkvx_cli.config import load_config
-    from rwkvx_cli.train.checkpointer import resume_changes
 
     run = tmp_path / "run"
     train(*tiny_args(run, corpus, "train.tokens=256"))

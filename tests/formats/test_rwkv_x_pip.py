@@ -18,8 +18,8 @@ import os
 import torch
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.runs.formats import export_rwkv_x
-from tests.runs.formats.conftest import perturbed_model
+from rwkvx_cli.formats import export_rwkv_x
+from tests.formats.conftest import perturbed_model
 
 os.environ.pop("RWKV_CUDA_ON", None)  # rwkv_x.model compiles its CUDA kernel at import when this is "1"
 from rwkv_x.model import RWKV_X  # noqa: E402

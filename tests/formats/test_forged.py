@@ -1,6 +1,6 @@
 """Forged and damaged model files from elsewhere (issue 36): each is refused in one line naming the
 file and the field, before anything is written, or read exactly as the format's own library reads
-it. Every case here was a traceback or a silent acceptance before the checks (runs/formats/checks.py,
+it. Every case here was a traceback or a silent acceptance before the checks (formats/checks.py,
 tensors.safetensors_entries, hf.sizes_from_hf_config, tensors.hf_index)."""
 
 import json
@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.runs.formats import FormatError, export_hf, materialize, open_any
-from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.runs.weights import load_into
-from tests.runs.formats.forge import TINY, forge, join, split, tiny_state, write_tiny
+from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.formats import FormatError, export_hf, materialize
+from rwkvx_cli.runs.weights import load_into, open_any
+from tests.formats.forge import TINY, forge, join, split, tiny_state, write_tiny
 from tests.train.helpers import one_line_error
 
 runner = CliRunner()
@@ -314,10 +314,10 @@ def test_a_config_with_auto_map_never_runs_the_directory_s_code(hf, tmp_path, co
 def bpe_run(tmp_path, corpus):
     """An rwkvx checkpoint of a model trained with a BPE tokenizer (300 tokens), its tokenizer.json in
     the run directory, and its HF export (the same tokenizer.json beside the weights)."""
+    from rwkvx_cli.checkpoints.full import save_checkpoint
     from rwkvx_cli.config import Config, DataConfig, config_to_dict
     from rwkvx_cli.data.tokenizer import BPETokenizer
     from rwkvx_cli.models import build_model
-    from rwkvx_cli.runs.store import save_checkpoint
 
     model_cfg = ModelConfig(vocab_size=300, n_layer=1, n_embd=64, head_size=64)
     cfg = Config(model=model_cfg, data=DataConfig(tokenizer="bpe"))

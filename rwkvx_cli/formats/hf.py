@@ -29,11 +29,10 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
-from rwkvx_cli.fsio import fsync_path
-from rwkvx_cli.runs.formats import sizes as sz
-from rwkvx_cli.runs.formats.checks import U64_MAX, is_int, is_number, show, strict_json
-from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
-from rwkvx_cli.runs.formats.tensors import (
+from rwkvx_cli.formats import sizes as sz
+from rwkvx_cli.formats.checks import U64_MAX, is_int, is_number, show, strict_json
+from rwkvx_cli.formats.errors import FormatError, SizeMismatchError
+from rwkvx_cli.formats.tensors import (
     HF_INDEX,
     INVERSE,
     MappedSource,
@@ -45,7 +44,8 @@ from rwkvx_cli.runs.formats.tensors import (
     materialize,
     open_shards,
 )
-from rwkvx_cli.runs.formats.write import DEFAULT_SHARD_BYTES, atomic_dir, write_json, write_shards
+from rwkvx_cli.formats.write import DEFAULT_SHARD_BYTES, atomic_dir, write_json, write_shards
+from rwkvx_cli.fsio import fsync_path
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TORCH_DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
@@ -137,6 +137,9 @@ def from_hf_rules(shapes: Mapping[str, Shape], tied: bool = False) -> list[Rule]
         for suffix, shape in (("v0", (1, 1, C)), ("v1", (C, dv)), ("v2", (dv, C))):
             rules.append(Rule(f"blocks.0.att.{suffix}", None, shape=shape))
     return _in_model_order(rules)
+
+
+sz.RENAMES["hf"] = from_hf_rules
 
 
 _HF_LAYER = re.compile(r"model\.layers\.(\d+)\.(.+)")
@@ -401,7 +404,7 @@ def export_hf(
     or not at all. `cfg`: the run's ModelConfig, checked against the tensors. Returns a summary."""
     if dtype not in DTYPES:
         raise FormatError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
-    from rwkvx_cli.runs.formats.tokenizer_files import hf_tokenizer_files
+    from rwkvx_cli.formats.tokenizer_files import hf_tokenizer_files
 
     source = as_source(weights)
     sizes = sz.infer_sizes(source.shapes())

@@ -19,8 +19,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 from safetensors import safe_open
 
-from rwkvx_cli.runs.formats.errors import FormatError
-from rwkvx_cli.runs.formats.tensors import ST_OTHER_DTYPES, SafetensorsFiles
+from rwkvx_cli.formats.errors import FormatError
+from rwkvx_cli.formats.tensors import ST_OTHER_DTYPES, SafetensorsFiles
 
 FAST = settings(max_examples=250, deadline=None, suppress_health_check=list(HealthCheck))
 SLOW = settings(max_examples=3000, deadline=None, suppress_health_check=list(HealthCheck))

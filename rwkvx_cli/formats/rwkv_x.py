@@ -32,11 +32,11 @@ from pathlib import Path
 import torch
 
 from rwkvx_cli.config import ModelConfig
-from rwkvx_cli.runs.formats import sizes as sz
-from rwkvx_cli.runs.formats.errors import FormatError
-from rwkvx_cli.runs.formats.hf import DTYPES
-from rwkvx_cli.runs.formats.tensors import MappedSource, Rule, Shape, TensorSource, as_source, materialize, open_tensors
-from rwkvx_cli.runs.formats.write import atomic_file
+from rwkvx_cli.formats import sizes as sz
+from rwkvx_cli.formats.errors import FormatError
+from rwkvx_cli.formats.hf import DTYPES
+from rwkvx_cli.formats.tensors import MappedSource, Rule, Shape, TensorSource, as_source, materialize, open_tensors
+from rwkvx_cli.formats.write import atomic_file
 
 RWKV_X_HEAD_SIZE = 64  # rwkv_x/model.py: n_head = n_embd // 64, HEAD_SIZE = 64
 _TOP = ("emb.weight", "ln_out.weight", "ln_out.bias", "head.weight")
@@ -154,6 +154,9 @@ def from_rwkv_x_rules(shapes: Mapping[str, Shape]) -> list[Rule]:
     return rules + [Rule(n[5:], n) for n in top if n != "rwkv.emb.weight"]
 
 
+sz.RENAMES["rwkv-x"] = from_rwkv_x_rules
+
+
 def to_rwkv_x(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     src = as_source(state)
     sizes = sz.infer_sizes(src.shapes())
@@ -168,7 +171,11 @@ def from_rwkv_x(state: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def open_rwkv_x(path: str | Path) -> tuple[TensorSource, sz.Sizes]:
     """An RWKV-X `.pth` as a lazy rwkvx-named source and its sizes (moba_chunk, moba_top_k: None, not in the file)."""
-    base = open_tensors(path)
+    return read_rwkv_x(open_tensors(path))
+
+
+def read_rwkv_x(base: TensorSource) -> tuple[TensorSource, sz.Sizes]:
+    """`open_rwkv_x` of tensors already open under RWKV-X's names."""
     source = MappedSource(base, from_rwkv_x_rules(base.shapes()))
     sizes = sz.infer_sizes(source.shapes(), layout="rwkvx")
     sizes.layout = "rwkv-x"

@@ -7,11 +7,11 @@ from transformers import AutoTokenizer
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.data.tokenizer import BPETokenizer, ByteTokenizer
 from rwkvx_cli.data.world import WorldTokenizer
+from rwkvx_cli.formats import FormatError, SizeMismatchError, apply_plan, export_hf, plan_table, upcycle_plan
+from rwkvx_cli.formats.tokenizer_files import WORLD_NOTE, hf_tokenizer_files
+from rwkvx_cli.formats.upcycle import summary
 from rwkvx_cli.models import build_model
-from rwkvx_cli.runs.formats import FormatError, SizeMismatchError, apply_plan, export_hf, plan_table, upcycle_plan
-from rwkvx_cli.runs.formats.tokenizer_files import WORLD_NOTE, hf_tokenizer_files
-from rwkvx_cli.runs.formats.upcycle import summary
-from tests.runs.formats.conftest import perturbed_model
+from tests.formats.conftest import perturbed_model
 
 TEXTS = ["Hello, world!", "  two  spaces\tand a tab\n", "héllo wörld — ünïcode ✓ 🦆", "<|eod|> inside", ""]
 

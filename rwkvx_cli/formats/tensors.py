@@ -31,8 +31,8 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.runs.formats.checks import U64_MAX, is_int, show, strict_json
-from rwkvx_cli.runs.formats.errors import FormatError
+from rwkvx_cli.formats.checks import U64_MAX, is_int, show, strict_json
+from rwkvx_cli.formats.errors import FormatError
 
 # safetensors' dtype names (the format's spec) and torch's.
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -447,24 +447,23 @@ HF_INDEX = "model.safetensors.index.json"
 
 
 def from_store(path: Path) -> bool:
-    """Whether open_tensors reads the directory `path` through the checkpoint store (an rwkvx checkpoint,
-    run directory or checkpoints folder): not an HF shard set, not a bare model.safetensors."""
+    """Whether the directory `path` is read through the checkpoint store (an rwkvx checkpoint, run
+    directory or checkpoints folder: runs/weights.py's open_source), not by open_tensors: not an HF
+    shard set, not a bare model.safetensors."""
     bare = (path / "model.safetensors").is_file() and not (path / "meta.json").is_file()
     return not (path / HF_INDEX).is_file() and not bare
 
 
 def open_tensors(path: str | os.PathLike) -> TensorSource:
-    """The tensors at `path`, lazily: an HF directory (sharded or not), an rwkvx checkpoint or run
-    directory, a .safetensors file, or a .pth/.pt state dict."""
+    """The tensors at `path`, lazily: an HF directory (sharded or not) or one holding a bare
+    model.safetensors, a .safetensors file, or a .pth/.pt state dict (an rwkvx checkpoint: `from_store`)."""
     path = Path(path)
     if path.is_dir():
         if (path / HF_INDEX).is_file():
             return open_shards(path)
         if not from_store(path):
             return SafetensorsFiles([path / "model.safetensors"])
-        from rwkvx_cli.runs.store import open_weights, resolve_checkpoint  # the store's own finder (verifies)
-
-        return open_weights(*resolve_checkpoint(path))  # model.safetensors, or a sharded checkpoint's shards
+        raise FormatError(f"{path} is a directory without model.safetensors or {HF_INDEX}")
     if not path.is_file():
         raise FormatError(f"weights not found: {path}")
     if path.suffix == ".safetensors":

@@ -15,7 +15,7 @@ from __future__ import annotations
 import json
 import math
 
-from rwkvx_cli.runs.formats.errors import FormatError
+from rwkvx_cli.formats.errors import FormatError
 
 U64_MAX = 2**64 - 1  # the formats' usize: the largest size or offset their readers take
 

@@ -10,7 +10,7 @@ staging (torchtitan stages the same way). The price is memory: one more copy of 
 of the state, for the whole run.
 
 `Writer` runs one write on a thread and hands its outcome to the loop's thread, agreed between
-ranks; `writer_group()` is the process group a sharded write agrees over (runs/sharded.py's
+ranks; `writer_group()` is the process group a sharded write agrees over (sharded.py's
 `write_sharded(..., group=)`), so that the thread's collectives never interleave with training's.
 """
 
@@ -22,8 +22,8 @@ from pathlib import Path
 
 import torch
 
-from rwkvx_cli.runs import sharded
-from rwkvx_cli.runs.store import CheckpointError
+from rwkvx_cli.checkpoints.ranks import EXPECTED, all_gather, one_line
+from rwkvx_cli.errors import CheckpointError
 
 
 class Staging:
@@ -101,8 +101,8 @@ class Writer:
     def wait(self) -> None:
         self.thread.join()
         error = self.error
-        lines = sharded.all_gather(None if error is None else sharded.one_line(error))
-        if error is not None and not isinstance(error, sharded.EXPECTED):
+        lines = all_gather(None if error is None else one_line(error))
+        if error is not None and not isinstance(error, EXPECTED):
             raise error  # a bug, with its traceback, on the rank that hit it
         first = next((line for line in lines if line is not None), None)
         if first is not None:

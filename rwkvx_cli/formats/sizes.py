@@ -22,16 +22,19 @@ from __future__ import annotations
 import dataclasses
 import math
 import re
-from collections.abc import Collection, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 
 from rwkvx_cli.config import LN_X_EPS, ConfigError, ModelConfig, expand_layers
+from rwkvx_cli.formats.errors import FormatError, SizeMismatchError
+from rwkvx_cli.formats.tensors import Rule, Shape, op_shape
 from rwkvx_cli.models.layers.rwkv7 import lora_rank
 from rwkvx_cli.models.model import block_kinds, layer_kinds
-from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
-from rwkvx_cli.runs.formats.tensors import Shape
 
 LAYOUTS = ("rwkv-lm", "rwkvx", "hf", "rwkv-x")
+# The renaming of each other layout to rwkvx's names, from its shapes: hf.py and rwkv_x.py enter theirs
+# (they build on this module), and the package's __init__ imports both, so any import of formats has them.
+RENAMES: dict[str, Callable[[Mapping[str, Shape]], list[Rule]]] = {}
 LORA_FIELDS = ("lora_w", "lora_a", "lora_v", "lora_g")  # ModelConfig's fields (0 = the rule)
 SIZE_KEYS = ("vocab_size", "n_embd", "head_size", "n_layer", "n_attn", "layers")
 MOBA_ATT = {f"att.{p}.weight" for p in ("receptance", "key", "value", "output")}
@@ -195,18 +198,9 @@ def to_rwkvx_shapes(shapes: Mapping[str, Shape], layout: str | None = None) -> t
     layout = layout or detect_layout(shapes)
     if layout in ("rwkv-lm", "rwkvx"):
         return layout, dict(shapes)
-    if layout == "hf":
-        from rwkvx_cli.runs.formats import hf
-
-        rules = hf.from_hf_rules(shapes)
-    elif layout == "rwkv-x":
-        from rwkvx_cli.runs.formats import rwkv_x
-
-        rules = rwkv_x.from_rwkv_x_rules(shapes)
-    else:
+    if layout not in RENAMES:
         raise FormatError(f"unknown layout {layout!r}; known: {', '.join(LAYOUTS)}")
-    from rwkvx_cli.runs.formats.tensors import op_shape
-
+    rules = RENAMES[layout](shapes)
     return layout, {r.dst: (tuple(r.shape) if r.src is None else op_shape(r.op, shapes[r.src])) for r in rules}
 
 

@@ -18,8 +18,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from rwkvx_cli.runs.formats import export_hf, load_hf, materialize
-from tests.runs.formats.conftest import perturbed_model
+from rwkvx_cli.formats import export_hf, load_hf, materialize
+from tests.formats.conftest import perturbed_model
 
 
 @pytest.fixture
@@ -86,10 +86,10 @@ def test_rwkvx_export_hf_of_a_checkpoint_runs_in_fla(rwkv7_cfg, tmp_path, first_
     run's byte tokenizer comes along as files transformers reads."""
     from typer.testing import CliRunner
 
+    from rwkvx_cli.checkpoints.full import save_checkpoint
     from rwkvx_cli.cli import app
     from rwkvx_cli.config import Config, config_to_dict
     from rwkvx_cli.data import ByteTokenizer
-    from rwkvx_cli.runs.store import save_checkpoint
 
     model = perturbed_model(rwkv7_cfg)
     run = tmp_path / "run"
@@ -116,8 +116,9 @@ def test_fla_runs_other_head_sizes_with_our_logits_both_ways(C, head, tmp_path, 
     32 or 128 with model.ln_x_eps = head_size x 1e-5 goes out as an HF directory fla runs with our logits, and
     fla's own save of it comes back in with that ln_x_eps and the same weights (so the same logits)."""
     from rwkvx_cli.config import ModelConfig
+    from rwkvx_cli.formats import config_from_sizes
     from rwkvx_cli.models import LM
-    from rwkvx_cli.runs.formats import config_from_sizes, open_any
+    from rwkvx_cli.runs.weights import open_any
 
     cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=C, head_size=head, ln_x_eps=head * 1e-5)
     model = perturbed_model(cfg)

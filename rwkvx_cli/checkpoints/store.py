@@ -1,13 +1,17 @@
-"""The checkpoint store: tensors in safetensors, everything else in JSON; never pickle.
+"""The checkpoints folder on disk, whichever format: tensors in safetensors, everything else in JSON;
+never pickle.
 
-Layout: <run>/checkpoints/step_00000100/{model.safetensors, optimizer.safetensors,
-[extra.safetensors], meta.json}, or a sharded checkpoint's shards and index (runs/sharded.py,
-told apart by its meta.json: `is_sharded`; verified, listed, kept and set aside here as a full
-one). A checkpoint is written under a temporary name, its files fsynced, then the directory is
-renamed into place, so a crash never leaves a partial checkpoint under a real name. `meta.json`
-is written last and lists every file's size and SHA-256: a checkpoint counts only when meta.json
-is complete, and it is used only when every file matches. Loading takes the newest such
-checkpoint and falls back to older ones past a damaged one (which is renamed `corrupt-step_...`).
+    <run>/checkpoints/
+        step_00000100/         one checkpoint: full.py's files or sharded.py's, and meta.json
+        .tmp-step_00000200/    a save being written (removed by the next save if it was killed)
+        corrupt-step_00000150/ a damaged checkpoint set aside: never deleted, never counted again
+
+A checkpoint is written under a temporary name, its files fsynced, then the directory is renamed
+into place, so a crash never leaves a partial checkpoint under a real name. `meta.json` is written
+last and lists every file's size and SHA-256 (`file_entry`, `check_file`) with a checksum of its own
+(`meta_digest`): a checkpoint counts only when meta.json is complete (`list_checkpoints`), and it is
+used only when every file matches (find.py). keep_last removes the oldest complete ones
+(`Root.prune`); a damaged one is renamed `corrupt-step_...` (`set_aside`).
 
 A save writes into a checkpoints folder held open (`Root`): `.tmp-step_N`, every file in it, the
 rename into place and keep_last's removals are relative to the open folder, never through its path,
@@ -24,44 +28,19 @@ import os
 import re
 import stat
 import weakref
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 from safetensors import SafetensorError
 from safetensors.torch import load_file
 
-from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.formats import write
+from rwkvx_cli.formats.tensors import DictSource
 from rwkvx_cli.fsio import LinkRefused, create_new, fsync_file, remove_entry
 
 META_FORMAT = 2  # 2: meta.json lists files with sizes and SHA-256; 1 (no "files"): checked by loading
-
-
-class CheckpointError(RwkvxError):
-    pass
-
-
-def _optimizer_tensors(sd: dict) -> tuple[dict[str, torch.Tensor], dict]:
-    tensors = {}
-    scalars = {}
-    for idx, st in sd["state"].items():
-        for key, val in st.items():
-            if isinstance(val, torch.Tensor):
-                tensors[f"state.{idx}.{key}"] = val.detach().cpu().contiguous()
-            else:
-                scalars[f"{idx}.{key}"] = val
-    return tensors, {"param_groups": sd["param_groups"], "scalars": scalars}
-
-
-def _optimizer_state(tensors: dict[str, torch.Tensor], meta: dict) -> dict:
-    state: dict[int, dict] = {}
-    for name, t in tensors.items():
-        _, idx, key = name.split(".", 2)
-        state.setdefault(int(idx), {})[key] = t
-    for name, val in meta["scalars"].items():
-        idx, key = name.split(".", 1)
-        state.setdefault(int(idx), {})[key] = val
-    return {"state": state, "param_groups": meta["param_groups"]}
 
 
 def file_entry(path: Path) -> dict:
@@ -129,7 +108,7 @@ def check_root(path: Path) -> None:
 
 class Root:
     """A checkpoints folder held open while saves go into it (a training run holds its own from its first
-    save on: train/checkpointer.py).
+    save on: manager.py).
 
     The folder's parent (the run directory) is opened, the folder made inside it with a plain mkdir
     (never a run directory that was moved away) and opened without following a link: a symbolic link
@@ -260,13 +239,10 @@ def write_tensors(tensors: dict[str, torch.Tensor], path: Path, dir_fd: int, met
     """Write `tensors` to a new safetensors file `path` in the open directory `dir_fd` (its parent), the
     largest item size first (each tensor aligned to it), each copied to the CPU as it is written, and
     fsync it; returns meta.json's record of it (file_entry's), hashed as written."""
-    from rwkvx_cli.runs.formats.tensors import DictSource  # formats builds on this module: imported here
-    from rwkvx_cli.runs.formats.write import write_safetensors
-
     order = sorted(tensors, key=lambda n: -tensors[n].element_size())
     digest = hashlib.sha256()
     meta = {"format": "pt", **(metadata or {})}
-    write_safetensors(DictSource(tensors), path, order, meta, digest, dir_fd)
+    write.write_safetensors(DictSource(tensors), path, order, meta, digest, dir_fd)
     with _naming(path):
         size = os.stat(path.name, dir_fd=dir_fd, follow_symlinks=False).st_size
     return {"bytes": size, "sha256": digest.hexdigest()}
@@ -301,29 +277,6 @@ def failure_reason(e: BaseException) -> str:
     return io_reason(e)
 
 
-# -- saving --------------------------------------------------------------------------------------------
-def save_checkpoint(
-    ckpt_root: Path | Root, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None = None
-) -> Path:
-    """`ckpt_root`: the checkpoints folder (made as needed), or the Root a run holds. `weights`: a module
-    or its state_dict; `optimizer`: an optimizer, its state_dict, or None. `extra`: more tensors to keep
-    (e.g. the TBPTT carry), written to extra.safetensors. A failure is one CheckpointError, the partial
-    `.tmp-step_N` removed (from the folder held, wherever it is now)."""
-    path = ckpt_root.path if isinstance(ckpt_root, Root) else Path(ckpt_root)
-    try:
-        with holding(ckpt_root) as root:
-            try:
-                return _save(root, step, weights, optimizer, meta, keep_last, extra)
-            except BaseException:
-                root.discard(f".tmp-step_{step:08d}")
-                raise
-    except (OSError, SafetensorError, CheckpointError) as e:  # a full disk, a file-size limit, a lost directory
-        raise CheckpointError(
-            f"cannot write the checkpoint of step {step} in {path}: {failure_reason(e)}; "
-            "the earlier checkpoints are intact"
-        ) from None
-
-
 def io_reason(e: Exception) -> str:
     """An I/O failure in a few words: OSError's strerror, or the OS message inside a SafetensorError."""
     if isinstance(e, OSError) and e.strerror:
@@ -332,30 +285,6 @@ def io_reason(e: Exception) -> str:
     if found:
         return found.group(1) or found.group(2)
     return str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-
-
-def _save(root: Root, step: int, weights, optimizer, meta: dict, keep_last: int, extra: dict | None) -> Path:
-    final, tmp = f"step_{step:08d}", f".tmp-step_{step:08d}"
-    root.begin(tmp)
-    if isinstance(weights, torch.nn.Module):
-        weights = weights.state_dict()
-    files = {"model.safetensors": weights}
-    if optimizer is not None:
-        sd = optimizer.state_dict() if isinstance(optimizer, torch.optim.Optimizer) else optimizer
-        opt_tensors, opt_meta = _optimizer_tensors(sd)
-        files["optimizer.safetensors"] = opt_tensors
-        meta = {**meta, "optimizer": opt_meta}
-    if extra:
-        files["extra.safetensors"] = extra
-    with open_dir(root.path / tmp, root) as dir_fd:
-        listing = {name: write_tensors(tensors, root.path / tmp / name, dir_fd) for name, tensors in files.items()}
-        meta = {**meta, "step": step, "format": META_FORMAT, "files": listing}
-        meta["meta_sha256"] = meta_digest(meta)
-        write_new(root.path / tmp / "meta.json", (json.dumps(meta, indent=2) + "\n").encode("utf-8"), dir_fd)
-        os.fsync(dir_fd)
-    path = root.commit(tmp, final)
-    root.prune(keep_last)
-    return path
 
 
 def step_of(ckpt: Path) -> int:
@@ -439,41 +368,6 @@ def read_meta(ckpt: Path) -> dict:
     return meta
 
 
-def is_sharded(meta: dict) -> bool:
-    """Whether a checkpoint's meta.json is a sharded checkpoint's (runs/sharded.py)."""
-    from rwkvx_cli.runs import sharded  # sharded builds on this module: imported when used
-
-    return sharded.is_sharded(meta)
-
-
-def is_checkpoint_dir(path: Path) -> bool:
-    """Whether `path` looks like one checkpoint (meta.json beside its weights: model.safetensors, or a
-    sharded checkpoint's index.json), not a run directory or checkpoints folder; nothing is verified."""
-    path = Path(path)
-    return (path / "meta.json").is_file() and any((path / n).is_file() for n in ("model.safetensors", "index.json"))
-
-
-def verify(ckpt: Path) -> dict:
-    """meta.json, after checking it and every file it lists against their SHA-256 (a sharded
-    checkpoint's index and shards too: runs/sharded.py)."""
-    meta = read_meta(ckpt)
-    if is_sharded(meta):
-        from rwkvx_cli.runs import sharded
-
-        return sharded.verify(ckpt)[0]
-    if "meta_sha256" in meta and meta["meta_sha256"] != meta_digest(meta):
-        raise CheckpointError(f"{ckpt / 'meta.json'} does not match its own checksum (corrupted)")
-    if is_step_dir(ckpt) and meta["step"] != step_of(ckpt):
-        raise CheckpointError(f"{ckpt / 'meta.json'} says step {meta['step']}, its directory {ckpt.name}")
-    for name, want in meta.get("files", {}).items():
-        if name not in ("model.safetensors", "optimizer.safetensors", "extra.safetensors"):
-            raise CheckpointError(f"{ckpt / 'meta.json'} lists an unexpected file {name!r}")
-        check_file(ckpt / name, want)
-    if "files" in meta and "model.safetensors" not in meta["files"]:
-        raise CheckpointError(f"{ckpt / 'meta.json'} lists no model.safetensors")
-    return meta
-
-
 def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
     """Tensors of a safetensors file; anything unreadable is a CheckpointError."""
     try:
@@ -482,81 +376,9 @@ def read_safetensors(path: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{path} is unreadable: {e}") from None
 
 
-def load_weights(ckpt: Path) -> dict[str, torch.Tensor]:
-    return read_safetensors(ckpt / "model.safetensors")
-
-
-def open_weights(ckpt: Path, meta: dict):
-    """The weights of a verified checkpoint (`meta`: its meta.json) as a TensorSource, read tensor by
-    tensor: model.safetensors memory-mapped, or a sharded checkpoint's rows gathered from its shards
-    one tensor at a time, so that neither is ever held whole besides the model it goes into."""
-    if is_sharded(meta):
-        from rwkvx_cli.runs import sharded
-
-        return sharded.ShardedSource(ckpt, sharded.read_index(ckpt, meta), "model/")
-    from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
-
-    return SafetensorsFiles([ckpt / "model.safetensors"])
-
-
 def load_extra(ckpt: Path) -> dict[str, torch.Tensor]:
     if not (ckpt / "extra.safetensors").is_file():
         return {}
     return read_safetensors(ckpt / "extra.safetensors")
 
 
-def load_optimizer_state(ckpt: Path, meta: dict) -> dict | None:
-    """The optimizer's state_dict (integer keys), or None for a weights-only checkpoint."""
-    if "optimizer" not in meta:
-        return None
-    tensors = read_safetensors(ckpt / "optimizer.safetensors")
-    try:
-        return _optimizer_state(tensors, meta["optimizer"])
-    except (KeyError, ValueError, TypeError, AttributeError) as e:
-        raise CheckpointError(f"{ckpt}: the optimizer state is malformed ({type(e).__name__}: {e})") from None
-
-
-def verify_step(path: Path) -> dict:
-    """`verify` for a step directory, which may lack meta.json (a damaged one: rwkvx renames a
-    checkpoint into place only once it is whole)."""
-    if not (path / "meta.json").is_file():
-        raise CheckpointError(f"{path / 'meta.json'} is missing")
-    return verify(path)
-
-
-def latest_good(
-    ckpt_root: Path,
-    on_skip: Callable[[Path, str], None] | None = None,
-    quarantine: bool = False,
-    check: Callable[[Path], dict] = verify_step,
-    paths: list[Path] | None = None,
-):
-    """(path, meta) of the newest checkpoint that `check` passes, or None. Each damaged newer one (a
-    step directory without meta.json included) is reported to `on_skip(path, reason)` and, with
-    `quarantine`, set aside (`set_aside`). `paths`: the candidates, newest first (None: the step
-    directories of `ckpt_root`)."""
-    for path in reversed(step_dirs(ckpt_root)) if paths is None else paths:
-        try:
-            return path, check(path)
-        except CheckpointError as e:
-            if on_skip:
-                on_skip(path, str(e))
-            if quarantine:
-                set_aside(path)
-    return None
-
-
-def resolve_checkpoint(path: Path, on_skip: Callable[[Path, str], None] | None = None) -> tuple[Path, dict]:
-    """(checkpoint directory, its verified meta.json) from a checkpoint directory itself (a `step_N`
-    directory is one, whatever it lacks: that is named), or the newest good one of a run directory or
-    checkpoints folder."""
-    path = Path(path)
-    if is_checkpoint_dir(path) or (is_step_dir(path) and path.is_dir()):
-        return path, verify_step(path)
-    for root in (path / "checkpoints", path):
-        if step_dirs(root):
-            found = latest_good(root, on_skip)
-            if found is None:
-                raise CheckpointError(f"every checkpoint in {root} is damaged")
-            return found
-    raise CheckpointError(f"no checkpoint found at {path}")

@@ -1,7 +1,7 @@
-"""Sharded checkpoints (runs/sharded.py, issue 35): a tiny RWKV-7 under FSDP2 on 2 gloo ranks (CPU)
-writes one; it reads back on 2 and 4 ranks (FSDP2) and in one plain process, its weights and AdamW
-state equal bit for bit to what the full-state path (distributed.full_state, store.save_checkpoint,
-distributed.load_full_state) gives; a rank failing or dying mid-write leaves no checkpoint; damaged
+"""Sharded checkpoints (checkpoints/sharded.py, issue 35): a tiny RWKV-7 under FSDP2 on 2 gloo ranks
+(CPU) writes one; it reads back on 2 and 4 ranks (FSDP2) and in one plain process, its weights and
+AdamW state equal bit for bit to what the full-state path (full.full_state, full.save_checkpoint,
+full.load_full_state) gives; a rank failing or dying mid-write leaves no checkpoint; damaged
 or forged files are refused in one line and nothing is ever unpickled.
 
 The ranks are processes spawned here (torch.multiprocessing), one thread each; rank 0 checks what
@@ -24,11 +24,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from rwkvx_cli.checkpoints import find, full, ranks, sharded, store
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.models import LM, parameter_groups
 from rwkvx_cli.models.optimizer import IMPLEMENTATION, adamw
-from rwkvx_cli.runs import sharded, store
-from rwkvx_cli.runs.store import CheckpointError
 
 # vocab 77 and the [1, 1, C] mixing vectors: rows that split unevenly, and ranks that hold none.
 CFG = ModelConfig(n_layer=2, n_embd=64, head_size=32, vocab_size=77)
@@ -62,7 +62,7 @@ def make(seed: int):
         1e-2,
         (0.9, 0.99),
         1e-8,
-        sharded=distributed.sharded(model),
+        sharded=ranks.sharded(model),
     )
     return model, opt
 
@@ -74,12 +74,6 @@ def train_step(model, opt, seed: int) -> None:
     loss.backward()
     opt.step()
     opt.zero_grad()
-
-
-def full(model, opt):
-    from rwkvx_cli.train import distributed
-
-    return distributed.full_state(model, opt)
 
 
 def same(a: tuple, b: tuple) -> None:
@@ -105,41 +99,37 @@ def same(a: tuple, b: tuple) -> None:
 
 def reference(tmp: Path):
     ckpt = tmp / "full" / f"step_{STEP:08d}"
-    meta = store.verify(ckpt)
-    return store.load_weights(ckpt), store.load_optimizer_state(ckpt, meta)
+    meta = find.verify(ckpt)
+    return full.load_weights(ckpt), full.load_optimizer_state(ckpt, meta)
 
 
 def check_read(tmp: Path, rank: int) -> None:
     """Load the sharded checkpoint into a fresh model on this process group; it equals the full checkpoint
     exactly, and a step after it equals a step after loading the full checkpoint (the full-state path)."""
-    from rwkvx_cli.train import distributed
-
     model, opt = make(seed=7)
     meta = sharded.load_sharded(tmp / "sharded" / f"step_{STEP:08d}", model, opt)
     assert meta["step"] == STEP
-    got = full(model, opt)
+    got = full.full_state(model, opt)
     weights, optim = reference(tmp)
     if rank == 0:
         same(got, (weights, optim))
     other, other_opt = make(seed=8)
-    distributed.load_full_state(other, other_opt, weights, optim)
+    full.load_full_state(other, other_opt, weights, optim)
     train_step(model, opt, 3)
     train_step(other, other_opt, 3)
-    a, b = full(model, opt), full(other, other_opt)
+    a, b = full.full_state(model, opt), full.full_state(other, other_opt)
     if rank == 0:
         same(a, b)
 
 
 def _write_job(rank: int, world: int, tmp: Path) -> None:
-    from rwkvx_cli.train import distributed
-
     out: dict = {}
     model, opt = make(seed=0)
     for s in range(STEP):
         train_step(model, opt, s)
-    weights, optim = full(model, opt)
+    weights, optim = full.full_state(model, opt)
     if rank == 0:
-        store.save_checkpoint(tmp / "full", STEP, weights, optim, META, keep_last=5)
+        full.save_checkpoint(tmp / "full", STEP, weights, optim, META, keep_last=5)
     extra = {"carry.0.att": torch.arange(12.0).reshape(4, 3)}
     path = sharded.save_sharded(tmp / "sharded", STEP, model, opt, META, keep_last=5, extra=extra)
     out["path"] = str(path)
@@ -150,11 +140,11 @@ def _write_job(rank: int, world: int, tmp: Path) -> None:
     plain = tiny(3)
     plain_opt = adamw(parameter_groups(plain, 1e-2, 0.1), 1e-2, (0.9, 0.99), 1e-8)
     w, o = reference(tmp)
-    distributed.load_full_state(plain, plain_opt, w, o)
+    full.load_full_state(plain, plain_opt, w, o)
     sharded.save_sharded(tmp / "plain2", STEP, plain, plain_opt, META, keep_last=5)
 
     # Rank 1 fails half way through its file: every rank stops with one line, nothing is committed.
-    from rwkvx_cli.runs.formats import write  # every checkpoint file of tensors (store.write_tensors)
+    from rwkvx_cli.formats import write  # every checkpoint file of tensors (store.write_tensors)
 
     real = write.write_safetensors
 
@@ -266,14 +256,13 @@ def test_four_ranks_read_what_two_wrote(written):
 
 def test_one_plain_process_reads_what_two_wrote(written):
     """Into a plain model and its fused AdamW (the trainer's single-process optimizer), equal to
-    loading the full checkpoint with distributed.load_full_state, state and groups."""
-    from rwkvx_cli.train import distributed
+    loading the full checkpoint with full.load_full_state, state and groups."""
 
     tmp, _ = written
     model, opt = plain_model(5)
     sharded.load_sharded(ckpt_of(tmp), model, opt)
     other, other_opt = plain_model(6)
-    distributed.load_full_state(other, other_opt, *reference(tmp))
+    full.load_full_state(other, other_opt, *reference(tmp))
     same((model.state_dict(), opt.state_dict()), (other.state_dict(), other_opt.state_dict()))
     assert opt.param_groups[0]["fused"] is True  # its own implementation flags kept
     same((model.state_dict(), opt.state_dict()), reference(tmp))
@@ -286,8 +275,8 @@ def test_consolidated_equals_the_full_checkpoint(written, tmp_path):
         meta, weights, optim = sharded.consolidate(ckpt)
         same((weights, optim), want)
     out = sharded.write_full(ckpt_of(tmp), tmp_path / "full")
-    meta = store.verify(out)
-    same((store.load_weights(out), store.load_optimizer_state(out, meta)), want)
+    meta = find.verify(out)
+    same((full.load_weights(out), full.load_optimizer_state(out, meta)), want)
     assert store.load_extra(out)["carry.0.att"].shape == (4, 3)
     one = sharded.consolidate_to_file(ckpt_of(tmp), tmp_path / "model.safetensors")
     from safetensors.torch import load_file
@@ -437,7 +426,7 @@ def test_damaged_or_forged_files_are_refused_in_one_line_and_never_unpickled(wri
     assert not marker.exists()
     assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # nothing loaded
     assert not opt.state
-    if case != "NaN weights in a shard":  # consolidate, as store.load_weights, leaves values to its caller
+    if case != "NaN weights in a shard":  # consolidate, as full.load_weights, leaves values to its caller
         with pytest.raises(CheckpointError):
             sharded.consolidate(ckpt)
 
@@ -485,7 +474,7 @@ def test_a_checkpoint_without_meta_json_is_not_complete(written, tmp_path):
     shutil.copytree(ckpt_of(tmp), root / "step_00000003")
     (root / "step_00000003" / "meta.json").unlink()
     assert store.list_checkpoints(root) == []
-    assert store.latest_good(root) is None
+    assert find.latest_good(root) is None
 
 
 def test_weights_only_and_a_forged_group_setting(written, tmp_path):
@@ -523,7 +512,7 @@ def test_a_checkpoint_given_directly_names_what_it_lacks(written, tmp_path):
     shutil.copytree(ckpt_of(tmp), ckpt)
     (ckpt / "index.json").unlink()
     with pytest.raises(CheckpointError, match=rf"^{ckpt / 'index.json'} is missing$"):
-        store.resolve_checkpoint(ckpt)
+        find.resolve_checkpoint(ckpt)
     (ckpt / "meta.json").unlink()
     with pytest.raises(CheckpointError, match=rf"^{ckpt / 'meta.json'} is missing$"):
-        store.resolve_checkpoint(ckpt)
+        find.resolve_checkpoint(ckpt)

@@ -19,9 +19,9 @@ from pathlib import Path
 
 import torch
 
+from rwkvx_cli.formats.errors import FormatError, OutputExistsError
+from rwkvx_cli.formats.tensors import HF_INDEX, ST_NAMES, TensorSource
 from rwkvx_cli.fsio import check_output, check_place, create_new, create_temp, fsync_dir, fsync_file, fsync_path
-from rwkvx_cli.runs.formats.errors import FormatError, OutputExistsError
-from rwkvx_cli.runs.formats.tensors import HF_INDEX, ST_NAMES, TensorSource
 
 # transformers' default max_shard_size ("5GB", decimal).
 DEFAULT_SHARD_BYTES = 5 * 10**9

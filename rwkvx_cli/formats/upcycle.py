@@ -20,9 +20,9 @@ from dataclasses import dataclass
 
 import torch
 
-from rwkvx_cli.runs.formats import sizes as sz
-from rwkvx_cli.runs.formats.errors import FormatError, SizeMismatchError
-from rwkvx_cli.runs.formats.tensors import Shape
+from rwkvx_cli.formats import sizes as sz
+from rwkvx_cli.formats.errors import FormatError, SizeMismatchError
+from rwkvx_cli.formats.tensors import Shape
 
 COPIED = ("att.receptance.weight", "att.key.weight", "att.value.weight", "att.output.weight",
           "ffn.key.weight", "ffn.value.weight")  # fmt: skip

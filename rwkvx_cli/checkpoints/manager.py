@@ -1,16 +1,18 @@
-"""What a training run checkpoints, and when; resuming from the newest good checkpoint.
+"""The trainer's checkpointer: what a training run checkpoints, and when; resuming from the newest good
+checkpoint. The trainer (train/loop.py) hands it the config, the model, the optimizer and its rank
+layout, and calls `maybe_save` and `load_latest`; it reaches into no checkpoint file itself.
 
 A checkpoint holds the weights and optimizer state, the torch RNG, the non-finite step
 counters and, with truncated BPTT, the recurrent state each micro-batch carries into the
 next step. With those the run resumes bit for bit: batches are a pure function of (seed,
 step). The files themselves (safetensors, meta.json with checksums, atomic renames,
-keep-last) are the store's (runs/store.py): `train.checkpoint_format: full` gathers the
-weights and optimizer state and rank 0 writes them; `sharded` has every rank write its own
-rows (runs/sharded.py). A run resumes from either format, whatever the setting says.
+keep-last) are the store's (store.py): `train.checkpoint_format: full` gathers the
+weights and optimizer state and rank 0 writes them (full.py); `sharded` has every rank write its own
+rows (sharded.py). A run resumes from either format, whatever the setting says.
 
 With `train.async_checkpoint` a save is staged, then written in the background: the loop waits
 while the state (and the TBPTT carry, meta.json's RNG and counters) is copied into CPU buffers
-(runs/background.py), then goes on while a writer thread writes the copy, in either format. The
+(background.py), then goes on while a writer thread writes the copy, in either format. The
 thread's agreements between ranks (sharded) go over a gloo process group of its own, never
 interleaved with training's collectives. At most one save is in flight: the next one, the end
 of the run and a stop request wait for it. Whether it is done is agreed between ranks once per
@@ -24,21 +26,33 @@ from __future__ import annotations
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
+from rwkvx_cli.checkpoints import find, full, ranks, sharded, store
+from rwkvx_cli.checkpoints.background import Staging, Writer, writer_group
+from rwkvx_cli.checkpoints.fit import check_finite, mismatch
 from rwkvx_cli.config import Config, ConfigError, config_to_dict
+from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.models.optimizer import IMPLEMENTATION
-from rwkvx_cli.runs import sharded, store
-from rwkvx_cli.runs.background import Staging, Writer, writer_group
-from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.runs.weights import check_finite, mismatch
-from rwkvx_cli.train import distributed
-from rwkvx_cli.train.distributed import DistInfo
 
 # The TBPTT carry: per micro-batch, per block, the block's state (a dict of tensors), or None
 # for a micro-batch that starts from a zero state (and for MoBA blocks, which keep none).
 Carry = list[list[dict[str, torch.Tensor] | None] | None]
+
+
+class Ranks(Protocol):
+    """This process among the run's ranks (train/distributed.py's DistInfo)."""
+
+    @property
+    def rank(self) -> int: ...
+
+    @property
+    def world_size(self) -> int: ...
+
+    @property
+    def is_main(self) -> bool: ...
 
 
 @dataclass
@@ -71,7 +85,7 @@ class CheckpointManager:
         model: torch.nn.Module,
         optimizer: torch.optim.Optimizer,
         micro: list[slice],
-        dist: DistInfo,
+        dist: Ranks,
         device: torch.device,
         before_save: Callable[[], None] | None = None,
         guard: Callable[[], None] | None = None,
@@ -151,7 +165,7 @@ class CheckpointManager:
         self._check_guard(step)
         if self.cfg.train.checkpoint_format == "sharded":
             copy = None if staging is None else staging.copy
-            staged = sharded.together(
+            staged = ranks.together(
                 lambda: sharded.stage_sharded(self.model, self.optimizer, copy), sharded.save_failure(root, step)
             )
             group = self._writer_group() if background else None
@@ -163,15 +177,15 @@ class CheckpointManager:
 
         else:
             held = self._held
-            weights, optim_state = distributed.full_state(self.model, self.optimizer)
-            if staging is not None and not distributed.sharded(self.model):  # the live tensors
+            weights, optim_state = full.full_state(self.model, self.optimizer)
+            if staging is not None and not ranks.sharded(self.model):  # the live tensors
                 weights = staging.tree(weights, ("model",))
                 optim_state = staging.tree(optim_state, ("optim",))
 
             def write() -> Path | None:
                 if not self.dist.is_main:
                     return None
-                return store.save_checkpoint(held, step, weights, optim_state, meta, keep_last, carry_tensors)
+                return full.save_checkpoint(held, step, weights, optim_state, meta, keep_last, carry_tensors)
 
         if staging is not None:
             staging.finish()
@@ -189,7 +203,7 @@ class CheckpointManager:
                     self._held = store.Root.open(self.root)
                 self._held.check(locked)
 
-        sharded.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
+        ranks.together(check, lambda why: f"cannot write the checkpoint of step {step}: {why}")
 
     def _writer_group(self):
         """The writer thread's process group (made with the first background save: every rank is here)."""
@@ -231,7 +245,7 @@ class CheckpointManager:
         for i, template in enumerate(carry[0]):
             for name in template or {}:
                 local = torch.cat([c[i][name] for c in carry])
-                out[f"carry.{i}.{name}"] = distributed.gather_rows(local, self.dist.world_size)
+                out[f"carry.{i}.{name}"] = ranks.gather_rows(local, self.dist.world_size)
         return out
 
     # -- loading -----------------------------------------------------------------------------------
@@ -250,15 +264,15 @@ class CheckpointManager:
         rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
 
         def verify() -> dict:
-            if (path / "meta.json").is_file() and store.is_sharded(store.read_meta(path)):
+            if (path / "meta.json").is_file() and sharded.is_sharded(store.read_meta(path)):
                 return sharded.verify(path, (rank, world))[0]
-            return store.verify_step(path) if main else {}
+            return find.verify_step(path) if main else {}
 
-        return self._load(path, sharded.together(verify, lambda why: why))
+        return self._load(path, ranks.together(verify, lambda why: why))
 
     def _load(self, path: Path, meta: dict) -> Restored:
         """Load a verified checkpoint (`meta`: its meta.json on rank 0) into the model and optimizer."""
-        if store.is_sharded(meta):  # every rank reads its own rows (load_sharded), whatever number of ranks wrote them
+        if sharded.is_sharded(meta):  # every rank reads its own rows (load_sharded), however many ranks wrote them
             meta, load = self._sharded_loader(path)
         else:
             meta, load = self._full_loader(path, meta)
@@ -279,25 +293,25 @@ class CheckpointManager:
 
     def _newest_good(self, on_skip) -> tuple[Path, dict] | None:
         """(path, meta.json) of the newest checkpoint that verifies, every rank agreeing (None: there is
-        none): store.latest_good over rank 0's list, each check a collective. A sharded checkpoint's
+        none): find.latest_good over rank 0's list, each check a collective. A sharded checkpoint's
         files are hashed by all ranks, each its share, in parallel (load_sharded then does not hash
         them again); a full one's by rank 0 (its meta is {} on the others, which read and check the
         files whole as they load them). Rank 0 reports the damaged ones and sets them aside."""
         rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
         names = [p.name for p in reversed(store.step_dirs(self.root))] if main else None
         had = store.had_checkpoints(self.root) if main else None  # damaged ones set aside before included
-        names, had = distributed.broadcast((names, had))
+        names, had = ranks.broadcast((names, had))
 
         def verify(path: Path) -> dict:
-            if (path / "meta.json").is_file() and store.is_sharded(store.read_meta(path)):
+            if (path / "meta.json").is_file() and sharded.is_sharded(store.read_meta(path)):
                 return sharded.verify(path, (rank, world))[0]
-            return store.verify_step(path) if main else {}
+            return find.verify_step(path) if main else {}
 
-        found = store.latest_good(
+        found = find.latest_good(
             self.root,
             on_skip if main else None,
             quarantine=main,
-            check=lambda path: sharded.together(lambda: verify(path), lambda why: why),
+            check=lambda path: ranks.together(lambda: verify(path), lambda why: why),
             paths=[self.root / n for n in names],
         )
         if found is None and had:
@@ -311,18 +325,18 @@ class CheckpointManager:
         """(meta.json, what loads it) for a full checkpoint: every rank reads the whole weights and
         optimizer state and checks them against the model before anything is loaded. `meta`: rank 0's
         verified meta.json ({} on the other ranks: they verify it here)."""
-        meta = meta if meta else store.verify(path)  # {}: verified by rank 0 only
-        weights = store.load_weights(path)
+        meta = meta if meta else find.verify(path)  # {}: verified by rank 0 only
+        weights = full.load_weights(path)
         own = self.model.state_dict()  # full shapes: a sharded DTensor reports its global shape
         problems = mismatch(own, weights)
         if problems:
             raise CheckpointError(f"{path} does not match the model: {problems}")
         check_finite(weights, str(path))
-        optim_state = store.load_optimizer_state(path, meta)
+        optim_state = full.load_optimizer_state(path, meta)
         if optim_state is not None:
-            shapes = [own[n].shape for n in distributed.param_names(self.model, self.optimizer)]
+            shapes = [own[n].shape for n in full.param_names(self.model, self.optimizer)]
             check_optimizer_state(optim_state, self.optimizer.param_groups, shapes, str(path))
-        return meta, lambda: distributed.load_full_state(self.model, self.optimizer, weights, optim_state)
+        return meta, lambda: full.load_full_state(self.model, self.optimizer, weights, optim_state)
 
     def _sharded_loader(self, path: Path) -> tuple[dict, Callable[[], None]]:
         """(meta.json, what loads it) for a sharded checkpoint: meta.json and index.json are read and
@@ -337,7 +351,7 @@ class CheckpointManager:
                 check_optimizer_groups(index.optimizer["param_groups"], self.optimizer.param_groups, str(path))
             return meta
 
-        meta = sharded.together(read, lambda why: why)
+        meta = ranks.together(read, lambda why: why)
         return meta, lambda: sharded.load_sharded(path, self.model, self.optimizer, verified=True)
 
     def _restore_carry(self, tensors: dict[str, torch.Tensor], source: str) -> Carry | None:
@@ -373,7 +387,10 @@ class CheckpointManager:
             [
                 None
                 if tmpl is None
-                else {name: distributed.local_rows(by_key[i, name], self.dist)[rows].to(self.device) for name in tmpl}
+                else {
+                    name: ranks.local_rows(by_key[i, name], self.dist.rank, self.dist.world_size)[rows].to(self.device)
+                    for name in tmpl
+                }
                 for i, tmpl in enumerate(templates)
             ]
             for rows in self.micro
@@ -385,7 +402,7 @@ class CheckpointManager:
         if problems:
             raise CheckpointError(f"{source} does not match the model: {problems}")
         check_finite(weights, source)
-        distributed.load_full_state(self.model, None, weights, None)
+        full.load_full_state(self.model, None, weights, None)
 
 
 # Settings a resume may change freely: they decide where and how often things happen, not what the

@@ -9,7 +9,7 @@ Layout of `<run>/checkpoints/step_00000100/` written by N ranks:
     index.json                         each tensor's global dtype and shape, and which rows of it
                                        each file holds; the optimizer's groups (by parameter name)
     extra.safetensors                  the TBPTT carry, whole (rank 0), as in a full checkpoint
-    meta.json                          as a full checkpoint's (runs/store.py), with
+    meta.json                          as a full checkpoint's (store.py), with
                                        "checkpoint_format": "sharded" and every file's SHA-256
 
 Tensors are named `model/<name>` (the model's state_dict) and `optim/<parameter>/<key>` (AdamW's
@@ -29,7 +29,7 @@ one-line CheckpointError and the partial directory is removed.
 Loading checks meta.json (its own checksum), index.json against meta.json's SHA-256 and against
 its own rules (the row ranges of every tensor tile it exactly, the files are the N shards), each
 shard file's SHA-256 (the files split over the reading ranks) and header (strictly parsed by
-runs/formats/tensors.py; its tensors exactly the index's rows for that file), then reads for
+formats/tensors.py; its tensors exactly the index's rows for that file), then reads for
 each local tensor only the rows it needs, from memory-mapped files (`ShardedSource.rows`): an
 FSDP2 rank reads and holds only its own share, whatever N and M are (a plain or DDP model, every
 row). Every failure is one line, on every rank, before anything is loaded.
@@ -52,16 +52,16 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
-from safetensors import SafetensorError
 
+from rwkvx_cli.checkpoints import store
+from rwkvx_cli.checkpoints.fit import mismatch
+from rwkvx_cli.checkpoints.ranks import one_line, rank_world, together
+from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.formats.checks import is_int, is_number, show, strict_json
+from rwkvx_cli.formats.tensors import ST_DTYPES, ST_NAMES, SafetensorsFiles, TensorSource
+from rwkvx_cli.formats.write import write_safetensors
 from rwkvx_cli.fsio import atomic_write_text, create_new, fsync_dir, fsync_file, remove_entry
 from rwkvx_cli.models.optimizer import implementation, restore_implementation
-from rwkvx_cli.runs import store
-from rwkvx_cli.runs.formats.checks import is_int, is_number, show, strict_json
-from rwkvx_cli.runs.formats.tensors import ST_DTYPES, ST_NAMES, SafetensorsFiles, TensorSource
-from rwkvx_cli.runs.formats.write import write_safetensors
-from rwkvx_cli.runs.store import CheckpointError
-from rwkvx_cli.runs.weights import mismatch
 
 FORMAT = "sharded"  # meta.json's "checkpoint_format"
 INDEX = "index.json"
@@ -80,72 +80,6 @@ def shard_name(rank: int, world: int) -> str:
 def is_sharded(meta: dict) -> bool:
     """Whether a checkpoint's meta.json is a sharded checkpoint's."""
     return meta.get("checkpoint_format") == FORMAT
-
-
-# -- ranks ---------------------------------------------------------------------------------------------
-def _rank_world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    if dist.is_available() and dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
-
-
-def all_gather(obj, group=None) -> list:
-    """Every rank's `obj` (our own in-memory values: pickled only over the process group, never from a
-    file). `group`: a process group of every rank (None: the default one)."""
-    import torch.distributed as dist
-
-    rank, world = _rank_world()
-    if world == 1:
-        return [obj]
-    out = [None] * world
-    dist.all_gather_object(out, obj, group=group)
-    return out
-
-
-# The failures a rank reports as one line; anything else is a bug, raised with its traceback on the rank
-# that hit it (the other ranks still stop, with a CheckpointError naming that rank, rather than hang).
-EXPECTED = (CheckpointError, OSError, SafetensorError, ValueError)
-
-
-def one_line(e: BaseException) -> str:
-    if isinstance(e, OSError):
-        return f"{str(e.filename) + ': ' if e.filename else ''}{store.io_reason(e)}"
-    text = str(e).strip().splitlines()
-    return text[0] if text else type(e).__name__
-
-
-def together(
-    fn: Callable[[], object],
-    fail: Callable[[str], str],
-    on_failure: Callable[[], None] | None = None,
-    share: bool = False,
-    group=None,
-):
-    """Run `fn` on every rank and agree on the outcome: when every rank succeeded, this rank's result
-    (with `share`, every rank's, in rank order: keep those small, they travel); otherwise every rank
-    raises CheckpointError(fail(the first failing rank's one-line error)), after rank 0 ran
-    `on_failure` (removing a partial directory). Only the errors travel without `share`. `group`: the
-    process group they agree over (None: the default one; a checkpoint writer thread has its own)."""
-    rank, world = _rank_world()
-    result, error, unexpected = None, None, None
-    try:
-        result = fn()
-    except EXPECTED as e:
-        error = one_line(e)
-    except Exception as e:  # a bug: re-raised here with its traceback once the others know
-        error, unexpected = f"{type(e).__name__}: {one_line(e)}", e
-    reports = all_gather((error, result if share else None), group)
-    failed = [(r, err) for r, (err, _) in enumerate(reports) if err is not None]
-    if not failed:
-        return [res for _, res in reports] if share else result
-    if rank == 0 and on_failure is not None:
-        on_failure()
-    if unexpected is not None:
-        raise unexpected
-    r, err = failed[0]
-    raise CheckpointError(fail(f"rank {r}: {err}" if world > 1 else err))
 
 
 # -- which rows each rank holds ----------------------------------------------------------------------
@@ -169,7 +103,7 @@ def _dtensor_rows(t, name: str) -> tuple[int, int]:
     from torch.distributed.tensor import Shard
 
     mesh, placements = t.device_mesh, tuple(t.placements)
-    _, world = _rank_world()
+    _, world = rank_world()
     if mesh.ndim != 1 or placements != (Shard(0),) or mesh.size() != world:
         raise CheckpointError(
             f"{name} is sharded as {placements} over a {tuple(mesh.shape)} mesh; sharded checkpoints hold "
@@ -261,10 +195,10 @@ def stage_sharded(
     copy: Callable[[str, torch.Tensor], torch.Tensor] | None = None,
 ) -> Staged:
     """This rank's share of the checkpoint of `model` and `optimizer` (no collective). `copy(name,
-    local)`: a copy to write instead of the live rows (runs/staging.py), so that training can go on
+    local)`: a copy to write instead of the live rows (background.py's Staging), so that training can go on
     changing them while a writer thread writes the copy; None: the live rows themselves (a save that
     writes before training goes on)."""
-    rank, world = _rank_world()
+    rank, world = rank_world()
     if world > MAX_RANKS:
         raise CheckpointError(f"sharded checkpoints hold at most {MAX_RANKS} ranks, not {world}")
     tensors = {f"model/{k}": v for k, v in model.state_dict().items()}
@@ -290,7 +224,7 @@ def save_sharded(
     """Write the checkpoint of `step` from every rank (a collective: every rank calls it, with the same
     arguments; one plain process is one rank). `model`: the module itself (plain, the module DDP wraps,
     or FSDP2-sharded in place); `meta`: meta.json's fields (config, RNG, counters), as for
-    store.save_checkpoint; `extra`: tensors rank 0 writes whole (the TBPTT carry). Returns the
+    full.save_checkpoint; `extra`: tensors rank 0 writes whole (the TBPTT carry). Returns the
     checkpoint's path on rank 0, None on the others; a failure on any rank is a CheckpointError on
     every rank, with the partial directory removed and the earlier checkpoints intact."""
     staged = together(lambda: stage_sharded(model, optimizer), save_failure(ckpt_root, step))
@@ -686,7 +620,7 @@ def load_sharded(
     before anything is loaded. `verified`: the ranks have just checked the files' SHA-256 (`verify`
     with their shares, as a resume's search for the newest good checkpoint does): not hashed again."""
     ckpt = Path(ckpt)
-    rank, world = _rank_world()
+    rank, world = rank_world()
 
     def fail(why: str) -> str:
         return why
@@ -729,7 +663,7 @@ def load_sharded(
             if osd is not None:
                 optimizer.load_state_dict(osd)
                 restore_implementation(optimizer, flags)
-        except (RuntimeError, KeyError, TypeError, OverflowError) as e:  # as checkpointer.load_latest's
+        except (RuntimeError, KeyError, TypeError, OverflowError) as e:  # as manager.load_latest's
             raise CheckpointError(one_line(e)) from None
 
     together(apply, lambda why: f"{ckpt} cannot be loaded: {why}")
@@ -774,8 +708,8 @@ def _read_optimizer(ckpt: Path, index: Index, model, optimizer, src: ShardedSour
 
 # -- one process: full tensors, one tensor at a time -----------------------------------------------------
 def consolidate(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor], dict | None]:
-    """(meta.json, full weights, full optimizer state_dict in store's integer layout or None) of a
-    sharded checkpoint, in one process after verifying every file: what store.load_weights and
+    """(meta.json, full weights, full optimizer state_dict in full.py's integer layout or None) of a
+    sharded checkpoint, in one process after verifying every file: what full.load_weights and
     load_optimizer_state give for a full checkpoint. Holds the result once (each tensor is read
     straight into its own new tensor)."""
     meta, index = verify(ckpt)
@@ -800,7 +734,7 @@ def consolidate(ckpt: Path) -> tuple[dict, dict[str, torch.Tensor], dict | None]
 
 
 class _Renamed(TensorSource):
-    """A ShardedSource under other names (store's `state.<index>.<key>` for the optimizer)."""
+    """A ShardedSource under other names (full.py's `state.<index>.<key>` for the optimizer)."""
 
     def __init__(self, base: ShardedSource, names: dict[str, str]):
         self.base, self.map = base, names  # new name -> base name
@@ -822,7 +756,7 @@ class _Renamed(TensorSource):
 
 
 def write_full(ckpt: Path, out: Path) -> Path:
-    """A full checkpoint directory (store's layout: model.safetensors, optimizer.safetensors,
+    """A full checkpoint directory (full.py's layout: model.safetensors, optimizer.safetensors,
     extra.safetensors, meta.json) at `out` (a new directory) from a sharded one, one tensor at a
     time: what `rwkvx export --format safetensors` and the readers of full checkpoints take.
     Written under a temporary name and renamed into place."""

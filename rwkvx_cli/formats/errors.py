@@ -1,7 +1,6 @@
 """The errors the format conversions raise: each is one line the CLI prints as it is."""
 
-from rwkvx_cli.errors import UsageError
-from rwkvx_cli.runs.store import CheckpointError
+from rwkvx_cli.errors import CheckpointError, UsageError
 
 
 class FormatError(CheckpointError):

@@ -22,9 +22,9 @@ from fla.models.rwkv7 import RWKV7Config, RWKV7ForCausalLM
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from rwkvx_cli.runs.formats import sizes as sz
-from rwkvx_cli.runs.formats.errors import FormatError
-from rwkvx_cli.runs.formats.hf import hf_config, sizes_from_hf_config
+from rwkvx_cli.formats import sizes as sz
+from rwkvx_cli.formats.errors import FormatError
+from rwkvx_cli.formats.hf import hf_config, sizes_from_hf_config
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

@@ -10,8 +10,7 @@ from safetensors.torch import load_file
 
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.errors import UsageError
-from rwkvx_cli.models.model import LM
-from rwkvx_cli.runs.formats import (
+from rwkvx_cli.formats import (
     FormatError,
     OutputExistsError,
     SizeMismatchError,
@@ -21,16 +20,17 @@ from rwkvx_cli.runs.formats import (
     materialize,
     moba_topk_from_rwkv_x,
     moba_topk_to_rwkv_x,
-    open_any,
     open_hf,
     open_rwkv_x,
     open_tensors,
     to_rwkv_x,
 )
-from rwkvx_cli.runs.formats import write as wr
-from rwkvx_cli.runs.formats.hf import from_hf, to_hf
-from rwkvx_cli.runs.formats.tensors import SafetensorsFiles
-from tests.runs.formats.conftest import perturbed_model
+from rwkvx_cli.formats import write as wr
+from rwkvx_cli.formats.hf import from_hf, to_hf
+from rwkvx_cli.formats.tensors import SafetensorsFiles
+from rwkvx_cli.models.model import LM
+from rwkvx_cli.runs.weights import open_any
+from tests.formats.conftest import perturbed_model
 
 UNUSED = ("blocks.0.att.v0", "blocks.0.att.v1", "blocks.0.att.v2")
 TOKENS = torch.tensor([[5, 17, 3, 96, 0, 42, 7, 7, 13, 200, 256, 1, 64, 64, 9, 128]])
@@ -200,8 +200,8 @@ def test_hf_config_refusals(edit, message, rwkv7_cfg, tmp_path):
 def test_hf_directories_of_any_head_size_come_in_with_their_group_norm_eps(head, eps, tmp_path):
     """fla's g_norm eps is head_dim x norm_eps: it comes in as model.ln_x_eps (which the model's ln_x
     then uses) and goes out as norm_eps = ln_x_eps / head_dim, the same config.json."""
+    from rwkvx_cli.formats import config_from_sizes
     from rwkvx_cli.models import build_model
-    from rwkvx_cli.runs.formats import config_from_sizes
 
     cfg = ModelConfig(vocab_size=97, n_layer=2, n_embd=128, head_size=head, ln_x_eps=eps)
     export_hf(LM(cfg).state_dict(), tmp_path / "hf", cfg=cfg)
@@ -313,8 +313,8 @@ def test_open_any_reads_every_layout(rwkv7_cfg, hybrid_cfg, tmp_path):
     from safetensors.torch import save_file
 
     save_file(hyb, tmp_path / "rwkvx.safetensors")
+    from rwkvx_cli.checkpoints.full import save_checkpoint
     from rwkvx_cli.config import Config, config_to_dict
-    from rwkvx_cli.runs.store import save_checkpoint
 
     save_checkpoint(
         tmp_path / "run" / "checkpoints", 5, hyb, None, {"config": config_to_dict(Config(model=hybrid_cfg))}, 3
@@ -333,7 +333,7 @@ def test_open_any_reads_every_layout(rwkv7_cfg, hybrid_cfg, tmp_path):
 
 
 def test_bench_convert_measures_each_conversion(tmp_path):
-    from rwkvx_cli.runs.formats import sizes as sz
+    from rwkvx_cli.formats import sizes as sz
     from rwkvx_cli.tools.bench_convert import run_benchmark
 
     tiny = sz.Sizes("rwkvx", 97, 64, 64, ["rwkv7"] * 2, sz.LoraRanks(32, 32, 32, 32), 256)

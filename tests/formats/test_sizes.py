@@ -7,12 +7,12 @@ import pytest
 import torch
 
 from rwkvx_cli.config import ModelConfig
+from rwkvx_cli.formats import FormatError, LoraRanks, SizeMismatchError, config_from_sizes, infer_sizes
+from rwkvx_cli.formats.hf import to_hf_rules
+from rwkvx_cli.formats.sizes import expected_shapes, sizes_of_config
+from rwkvx_cli.formats.tensors import op_shape
 from rwkvx_cli.models.model import LM, layer_kinds
-from rwkvx_cli.runs.formats import FormatError, LoraRanks, SizeMismatchError, config_from_sizes, infer_sizes
-from rwkvx_cli.runs.formats.hf import to_hf_rules
-from rwkvx_cli.runs.formats.sizes import expected_shapes, sizes_of_config
-from rwkvx_cli.runs.formats.tensors import op_shape
-from tests.runs.formats.conftest import shapes
+from tests.formats.conftest import shapes
 
 # (name, n_layer, n_embd, LoRA ranks w, a, v, g) of the released RWKV-7 World models, as their HF
 # configs state them (quoted in public code; the weights cannot be downloaded here); vocab 65536, head size 64.
