@@ -571,6 +571,15 @@ def _names_a_file(tokenizer: str) -> bool:
     return "/" in tokenizer or os.sep in tokenizer or tokenizer.endswith(".json") or os.path.exists(tokenizer)
 
 
+def _template_names_a_file(template: str) -> bool:
+    """data.template is a template file's path, not the name of a template rwkvx ships (a YAML file in
+    rwkvx_cli/data/templates/, read by data/template.py). The folder is listed here rather than asked
+    through data/, which builds on this module."""
+    shipped = {p.stem for p in (Path(__file__).parent / "data" / "templates").glob("*.yaml")}
+    spelt_as_path = "/" in template or os.sep in template or template.endswith((".yaml", ".yml", ".json"))
+    return template not in shipped and (spelt_as_path or os.path.exists(template))
+
+
 def resolve_paths(cfg: Config) -> Config:
     """Every path-valued setting made absolute (in place, against the current directory; `..` folded,
     links kept as named, so the run directory's own checks see a link as given), so that a run's saved
@@ -591,9 +600,7 @@ def resolve_paths(cfg: Config) -> Config:
         d.corpus = [full(p) for p in d.corpus]
     if _names_a_file(d.tokenizer):
         d.tokenizer = full(d.tokenizer)
-    from rwkvx_cli.data.template import names_a_file
-
-    if names_a_file(d.template):
+    if _template_names_a_file(d.template):
         d.template = full(d.template)
     d.prepared_dir, d.binidx, d.val_binidx = full(d.prepared_dir), full(d.binidx), full(d.val_binidx)
     for src in d.mix or []:
