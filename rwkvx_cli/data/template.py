@@ -168,13 +168,6 @@ def names() -> list[str]:
     return sorted(p.stem for p in TEMPLATES_DIR.glob("*.yaml"))
 
 
-def names_a_file(value: str) -> bool:
-    """A template setting that is a path, not the name of a shipped template."""
-    return value not in names() and (
-        "/" in value or os.sep in value or value.endswith((".yaml", ".yml", ".json")) or os.path.exists(value)
-    )
-
-
 def load_template(name_or_path: str | os.PathLike) -> Template:
     """A shipped template by name (`g1`), or a template file; UsageError naming what is wrong."""
     value = os.fspath(name_or_path)
