@@ -111,6 +111,3 @@ Resume = Annotated[bool, typer.Option("--resume", help="Continue an interrupted 
 Template = Annotated[
     str, typer.Option(help="Chat template of JSONL conversations and prompt/response records: g1, or a file.")
 ]
-Template = Annotated[
-    str, typer.Option(help="Chat template of JSONL conversations and prompt/response records: g1, or a file.")
-]
