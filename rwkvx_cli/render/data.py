@@ -24,6 +24,11 @@ def prepared_line(stats) -> str:
         f"prepared {stats.documents:,} documents, {stats.bytes / 1e6:.2f} MB -> {stats.train_tokens:,} train + "
         f"{stats.val_tokens:,} val tokens ({stats.tokenizer_kind} tokenizer, vocab {stats.vocab_size:,}) "
         f"at {stats.mb_per_s:.1f} MB/s into {stats.out_dir}"
+        + (
+            f"; template {stats.template}: {stats.train_loss_tokens:,} train tokens carry loss"
+            if getattr(stats, "template", None)
+            else ""
+        )
     )
 
 

@@ -26,7 +26,9 @@ def render_eval(ev: dict, as_json: bool) -> None:
         return
     out.print(
         f"step {ev['step']}: val loss {ev['loss']:.4f}, perplexity {ev['ppl']:.2f}, bits/byte {fmt_bpb(ev['bpb'], 4)} "
-        f"over {ev['tokens']:,} tokens ({ev['tokens_per_s']:,.0f} tokens/s)"
+        f"over {ev['tokens']:,} tokens"
+        + (f" ({ev['loss_tokens']:,} carry loss)" if ev.get("loss_tokens") is not None else "")
+        + f" ({ev['tokens_per_s']:,.0f} tokens/s)"
         + (", documents reset at each end-of-document token" if ev.get("reset_at_eod") else "")
     )
     if "sample" in ev:
