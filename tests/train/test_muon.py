@@ -82,6 +82,7 @@ def test_two_gloo_ranks_take_one_process_s_muon_steps_under_ddp_and_fsdp2(tmp_pa
 
 
 RAGGED = '''
+import pathlib, sys
 import torch, torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.tensor import distribute_tensor, Shard
@@ -95,7 +96,7 @@ shards = [distribute_tensor(w, mesh, [Shard(0)]) for w in whole]
 for w, o, s in zip(whole, orthogonalize_all(shards, [5] * 4), shards):
     chunk = -(-w.shape[0] // world)
     torch.testing.assert_close(o, newton_schulz(w)[rank * chunk : rank * chunk + s.to_local().shape[0]], rtol=0, atol=0)
-print("rows match", rank)
+pathlib.Path(sys.argv[1], f"rank{rank}").write_text("rows match")  # stdout interleaves across ranks
 '''
 
 
@@ -105,13 +106,11 @@ def test_fsdp2_shards_of_any_row_count_are_orthogonalised_whole(tmp_path):
     script = tmp_path / "ragged.py"
     script.write_text(RAGGED)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script), str(tmp_path)],
         capture_output=True, text=True, env=env(), timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    assert sorted(line for line in result.stdout.splitlines() if line.startswith("rows match")) == [
-        "rows match 0", "rows match 1", "rows match 2",
-    ]
+    assert [(tmp_path / f"rank{r}").read_text() for r in range(3)] == ["rows match"] * 3
 
 
 def test_muon_under_bf16_mixed_and_grad_accum_keeps_fp32_momentum(tmp_path, corpus):
