@@ -13,6 +13,9 @@ BIN := $(VENV)/bin
 # extra) are added on top by `make test` and `make lint` only.
 STAMP := $(VENV)/.installed
 TEST_STAMP := $(VENV)/.installed-test
+# pytest-xdist workers for the suites (`auto`: one per core; tests/conftest.py shares the cores out
+# among them). TEST_WORKERS=0 runs in this process, as one test file under plain pytest does.
+TEST_WORKERS ?= auto
 
 .PHONY: install test lint gradcheck bench demo demo-rwkvx gpu-compile gpu-compile-test test-slow test-aarch64 gpu-check clean
 
@@ -30,7 +33,7 @@ $(TEST_STAMP): $(STAMP) pyproject.toml
 
 test: $(TEST_STAMP)
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS)
 
 lint: $(TEST_STAMP)
 	$(BIN)/ruff check .
@@ -63,7 +66,7 @@ gpu-compile-test: $(TEST_STAMP)
 
 # The tests of many minutes each (the compile gate, torch.compile with a warm cache): CI runs them.
 test-slow: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -m "slow or gpu_compile"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) -m "slow or gpu_compile"
 
 # The aarch64 (NEON) build of the CPU kernels, cross-compiled and run under qemu-user, through
 # both gradient-check gates (part of test-slow). Needs Debian's g++-aarch64-linux-gnu and

@@ -2,8 +2,13 @@ import os
 
 import torch
 
-# Two cores on CI: keep torch from oversubscribing them.
-torch.set_num_threads(min(2, torch.get_num_threads()))
+# Two cores on CI: keep torch from oversubscribing them. Under pytest-xdist (`make test`: one worker
+# per core) the cores are shared out, and the processes a test starts inherit the share.
+_workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+_threads = max(1, min(2, torch.get_num_threads()) // _workers)
+torch.set_num_threads(_threads)
+if _workers > 1:
+    os.environ.setdefault("OMP_NUM_THREADS", str(_threads))
 
 # Without a GPU, run the Triton kernels through Triton's interpreter on CPU tensors.
 # Must be set before any kernel module is imported (the decorator reads it).

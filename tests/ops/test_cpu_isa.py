@@ -138,6 +138,7 @@ def _check_model_head_size(op):
         assert rms_ratio(g32[name], want) < 1e-5, f"d{name}"
 
 
+@pytest.mark.slow  # every kernel source compiled for each ISA this CPU lacks: about a minute per ISA
 @pytest.mark.skipif(not IS_X86, reason="the x86 builds")
 @pytest.mark.parametrize("isa", [isa for isa in _native.ISAS if isa not in RUNNABLE])
 def test_a_build_this_cpu_cannot_run_still_compiles(tmp_path, isa):

@@ -6,6 +6,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -19,6 +21,7 @@ def _run(tmp_path, *args):
     return proc, report, (tmp_path / "gpu.md").read_text()
 
 
+@pytest.mark.slow  # every step of the driver, the compile step included: ~2 minutes on the CPU
 def test_gpu_check_quick_cpu_run(tmp_path):
     proc, report, md = _run(tmp_path, "--ops", "wkv4")
     assert proc.returncode == 0, proc.stdout + proc.stderr

@@ -106,7 +106,7 @@ def test_fsdp2_shards_of_any_row_count_are_orthogonalised_whole(tmp_path):
     script = tmp_path / "ragged.py"
     script.write_text(RAGGED)
     result = subprocess.run(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", str(script), str(tmp_path)],
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=3", script, tmp_path],
         capture_output=True, text=True, env=env(), timeout=300, cwd=REPO,
     )
     assert result.returncode == 0, result.stderr[-3000:]
