@@ -224,7 +224,7 @@ def plot(report: dict, runs: list[dict], path: Path, force: bool) -> Path:
     import matplotlib.pyplot as plt
 
     sizes = list(report)
-    fig, axes = plt.subplots(1, len(sizes), figsize=(5.5 * len(sizes), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(sizes), figsize=(max(6.5, 5.5 * len(sizes)), 4.6), squeeze=False)
     colours = dict(zip(RECIPES, ("black", "tab:red", "tab:gray", "tab:orange"), strict=True))
     for ax, size in zip(axes[0], sizes, strict=True):
         s = report[size]
@@ -244,7 +244,7 @@ def plot(report: dict, runs: list[dict], path: Path, force: bool) -> Path:
         ax.set_ylabel("validation loss (nats per token)")
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle("Muon and WSD against RWKV-LM's AdamW + cosine (best rate of each; dots: WSD decays)", fontsize=10)
+    fig.suptitle("Muon and WSD against RWKV-LM's AdamW + cosine\n(best rate of each; dots: WSD decays)", fontsize=10)
     fig.tight_layout()
     try:
         buffer = io.BytesIO()
