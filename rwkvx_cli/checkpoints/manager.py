@@ -259,7 +259,7 @@ class CheckpointManager:
         return self._load(*found)
 
     def load_from(self, path: Path) -> Restored:
-        """Load the checkpoint at `path`, a checkpoint directory of another run (`train --decay-from`),
+        """Load the checkpoint at `path`, a checkpoint directory of another run (`train.decay_from`),
         verified first by every rank together; nothing there is written, renamed or set aside."""
         rank, world, main = self.dist.rank, self.dist.world_size, self.dist.is_main
 

@@ -13,7 +13,7 @@ run trains configs/ablation.yaml (which prepares it once, with a BPE of 4,096 id
 runs/ablation/data) at one size, recipe, rate and seed, in `WORKDIR/<size>/<recipe>-lr<rate>-s<seed>`,
 through `rwkvx train ... --resume`: a run already finished is not trained again, an interrupted one
 continues. The rate also sets lr_final (a twentieth of it); the warmup is 5% of the tokens. With
-`--branches 0.5` each WSD run also branches a decay (`rwkvx train --decay-from`) from its checkpoint
+`--branches 0.5` each WSD run also branches a decay (`train.decay_from`) from its checkpoint
 at that fraction of the tokens, which gives the recipe's annealed loss at a shorter run for a fifth of
 that run's tokens; those runs are `<recipe>-lr<rate>-s<seed>-at<fraction>`.
 
@@ -121,7 +121,7 @@ def run_plan(work: Path, size: str, tokens: int, lrs, recipes, seeds, branches) 
                         base = overrides(size, recipe, lr, seed, tokens, branch)
                         decay = f"train.decay_tokens={int(at * tokens) // 4}"  # a fifth of the branch's length
                         source = run / "checkpoints" / f"step_{step:08d}"
-                        _train([*base, decay, "--decay-from", str(source)], log)
+                        _train([*base, decay, f"train.decay_from={source}"], log)
                         names.append(branch.name)
     return names
 

@@ -6,8 +6,8 @@ train.lr), then
   decay_tokens (0: the last fifth of the run), which decay to lr_final, shaped by decay_shape:
   "linear", "1-sqrt" (1 - sqrt(p), Hägele et al., arXiv 2405.18392: lower loss than linear at the
   same length) or "cosine". A stable phase does not depend on where the run will end, so a run
-  can be continued, or a decay branched from any of its stable checkpoints (`rwkvx train
-  --decay-from`), as if it had been planned that long from the start.
+  can be continued, or a decay branched from any of its stable checkpoints (`train.decay_from`),
+  as if it had been planned that long from the start.
 """
 
 import math
