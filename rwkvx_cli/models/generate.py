@@ -5,10 +5,14 @@ from __future__ import annotations
 
 import torch
 
+from rwkvx_cli.errors import RwkvxError
 from rwkvx_cli.models.model import LM, document_starts
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_p: float, gen: torch.Generator) -> int:
+    if not bool(torch.isfinite(logits).all()):
+        # (damaged or overflowing weights: multinomial would stop with a traceback, argmax pick noise)
+        raise RwkvxError("the model's next-token logits hold NaN or infinity: its weights are damaged or overflow")
     if temperature <= 0:
         return int(logits.argmax())
     probs = torch.softmax(logits.float() / temperature, dim=-1)

@@ -238,7 +238,8 @@ def plot(report: dict, runs: list[dict], path: Path, force: bool) -> Path:
                 ax.plot(t / 1e6, v, "o", color=colours[recipe], ms=5)
         if s["target"] is not None:
             ax.axhline(s["target"], color="black", lw=0.6, ls=":", label="baseline's final")
-            ax.set_ylim(s["target"] - 0.25, s["target"] + 0.6)
+            lowest = min((r["final"] for row in s["recipes"].values() for r in row["seeds"]), default=s["target"])
+            ax.set_ylim(min(s["target"] - 0.25, lowest - 0.05), s["target"] + 0.6)
         ax.set_title(size, fontsize=10)
         ax.set_xlabel("tokens (millions)")
         ax.set_ylabel("validation loss (nats per token)")

@@ -21,7 +21,7 @@ from rwkvx_cli.cli import app
 from rwkvx_cli.config import ConfigError, load_config
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.prepare import read_prepared_meta
-from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.errors import CheckpointError, RwkvxError
 from rwkvx_cli.fsio import RUN_MARKER, NotOurDirectory, check_writable_dir
 from rwkvx_cli.models.generate import sample_next
 from rwkvx_cli.runs.weights import load_weights_file
@@ -321,6 +321,15 @@ def test_bad_numbers_and_text_are_usage_errors_not_tracebacks(trained):
 def test_top_p_zero_samples_the_top_token():
     logits = torch.tensor([0.1, 3.0, -1.0, 2.9])
     assert sample_next(logits, 1.0, 0.0, torch.Generator().manual_seed(0)) == 1
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+@pytest.mark.parametrize("temperature", [1.0, 0.0])
+def test_logits_that_are_not_finite_are_one_line_not_a_sample(bad, temperature):
+    """Damaged weights (found by tests/runs/test_fuzz_files.py): multinomial stopped with a traceback."""
+    logits = torch.tensor([0.1, bad, -1.0])
+    with pytest.raises(RwkvxError, match="NaN or infinity"):
+        sample_next(logits, temperature, 0.9, torch.Generator().manual_seed(0))
 
 
 def test_eval_with_top_p_zero_generates(trained):
