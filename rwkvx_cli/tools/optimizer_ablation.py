@@ -98,7 +98,8 @@ def overrides(size: str, recipe: str, lr: float, seed: int, tokens: int, run_dir
 def _train(args: list[str], log) -> None:
     command = [sys.executable, "-m", "rwkvx_cli", "train", "-c", str(CONFIG), *args, "--resume"]
     print(" ".join(command[2:]), file=log, flush=True)
-    done = subprocess.run(command, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    # the trainer's progress lines reach the terminal (a run takes minutes to hours); its error is kept
+    done = subprocess.run(command, stderr=subprocess.PIPE, text=True)
     if done.returncode != 0:
         tail = (done.stderr.strip().splitlines() or ["(no output)"])[-1]
         raise RwkvxError(f"a run failed ({' '.join(args[:1])}): {tail}")

@@ -23,9 +23,9 @@ def _params():
     for spec in _resetting():
         for bk in spec.backends.values():
             if spec.resets_with(bk) and bk.unavailable() is None and not bk.peer:
-                # A backend that runs on the CPU only for tests (the Triton kernels, under the
-                # interpreter: 10-25 s a case) is held to its logic by its fp64 case here; its fp32
-                # case runs in make test-slow.
+                # A backend that `auto` never picks on the CPU (the Triton kernels, under the
+                # interpreter here: 10-25 s a case; wkv7's chunked torch form) is held to its logic
+                # by its fp64 case here; its fp32 case runs in make test-slow.
                 interpreted = "cpu" not in (bk.auto_devices or bk.devices)
                 for dtype in (torch.float64, torch.float32):
                     if dtype == torch.float64 and not bk.supports_fp64:
