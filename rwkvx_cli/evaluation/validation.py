@@ -14,7 +14,7 @@ import torch.nn.functional as F
 
 from rwkvx_cli.data.errors import DataError
 from rwkvx_cli.data.sampler import sequential_windows
-from rwkvx_cli.errors import CheckpointError, UsageError
+from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.models import LM, document_starts
 from rwkvx_cli.models.generate import generate
 from rwkvx_cli.runs import open_checkpoint
@@ -67,7 +67,11 @@ def evaluate(
                 loss_total += float(each[m].double().sum())
                 loss_count += int(m.sum())
                 loss = each.mean()
-        total += loss.item() * y.numel()
+        value = loss.item()
+        if not math.isfinite(value):  # before its progress: one line, not a NaN loss (tests/runs/test_fuzz_files.py)
+            raise RwkvxError(f"the loss on validation window {count // ctx_len + 1} is {value}: the model's weights "
+                             "or settings are damaged, or overflow")
+        total += value * y.numel()
         count += y.numel()
         xs.clear()
         ys.clear()
@@ -137,13 +141,6 @@ def eval_checkpoint(
     opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
     cfg, t = opened.config, opened.config.train
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
-    # One window first, before any output: damaged weights or settings are one line, not a NaN loss
-    # and a traceback from the sampler (found by tests/runs/test_fuzz_files.py).
-    probe = evaluate(opened.model, val.tokens, t.ctx_len, 1, t.ctx_len, opened.tokenizer, opened.runtime,
-                     reset_at_eod=cfg.data.reset_at_eod)
-    if not math.isfinite(probe["loss"]):
-        raise CheckpointError(f"{opened.checkpoint.path}: the model's loss on a validation window is "
-                              f"{probe['loss']}; its weights or settings are damaged")
     start = time.perf_counter()
     figures = (t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
     ev = evaluate(
