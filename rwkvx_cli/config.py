@@ -157,6 +157,9 @@ class DataConfig:
     template: str = "g1"
     bpe_vocab_size: int = 2048
     val_fraction: float = 0.05
+    # The seed that chooses which documents validation holds out when training prepares data.corpus;
+    # None (the default) = train.seed. Set it to compare seeds on one held-out split.
+    split_seed: int | None = None
     # Where prepared tokens go; "" = <run dir>/data.
     prepared_dir: str = ""
     # Train on a bare binidx prefix as is (RWKV-LM's make_data.py output), instead of data.corpus;
@@ -342,6 +345,8 @@ class Config:
             (t.nonfinite in ("stop", "skip"), "train.nonfinite", "must be stop or skip"),
             (t.nonfinite_limit >= 1, "train.nonfinite_limit", "must be >= 1"),
             (0 < d.val_fraction < 1, "data.val_fraction", "must be between 0 and 1"),
+            (d.split_seed is None or 0 <= d.split_seed <= MAX_SEED, "data.split_seed",
+             f"must be between 0 and {MAX_SEED}"),
             (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
             (t.sampler in ("epoch", "random"), "train.sampler", "must be epoch or random"),
             (t.head in ("chunked", "full"), "train.head", "must be chunked or full"),

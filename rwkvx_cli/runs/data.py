@@ -62,6 +62,11 @@ class Mixture:
 SOURCE_FILE = "source.json"
 
 
+def split_seed(cfg: Config) -> int:
+    """The seed that chooses the held-out documents: data.split_seed, else train.seed."""
+    return cfg.train.seed if cfg.data.split_seed is None else cfg.data.split_seed
+
+
 def needs_preparing(cfg: Config, run_dir: Path) -> bool:
     """True when training would tokenize data.corpus first (a bare prefix or a mixture never is)."""
     if cfg.data.binidx or cfg.data.mix is not None:
@@ -80,7 +85,7 @@ def prepare_command(cfg: Config, run_dir: Path) -> str:
         args += ["--vocab-size", str(d.bpe_vocab_size)]
     if d.tokenizer not in ("byte", "bpe", "world"):
         args += ["--eod-id", str(d.eod_id)]
-    args += ["--val-fraction", f"{d.val_fraction:g}", "--seed", str(cfg.train.seed)]
+    args += ["--val-fraction", f"{d.val_fraction:g}", "--seed", str(split_seed(cfg))]
     if d.template != "g1":
         args += ["--template", d.template]
     then = "then train again" if d.prepared_dir else f"then train with data.corpus={shlex.quote(str(out))}"
@@ -102,7 +107,7 @@ def ensure_data(cfg: Config, run_dir: Path, progress=None) -> RunData:
             tokenizer_kind=cfg.data.tokenizer,
             vocab_size=cfg.data.bpe_vocab_size if cfg.data.tokenizer == "bpe" else None,
             val_fraction=cfg.data.val_fraction,
-            seed=cfg.train.seed,
+            seed=split_seed(cfg),
             progress=progress,
             eod_id=None if named else cfg.data.eod_id,
             template=cfg.data.template,
@@ -135,7 +140,7 @@ def check_prepared_as_asked(cfg: Config, ddir: Path) -> None:
         "tokenizer": d.tokenizer if named else "file",
         "tokenizer file": None if named else str(Path(d.tokenizer).resolve()),
         "val_fraction": d.val_fraction,
-        "seed": cfg.train.seed,
+        "seed": split_seed(cfg),
     }
     found = {"tokenizer": tok.get("kind"), "tokenizer file": tok.get("source")}
     found |= {"val_fraction": meta.get("val_fraction"), "seed": meta.get("seed")}
@@ -159,9 +164,15 @@ def check_prepared_as_asked(cfg: Config, ddir: Path) -> None:
                 have, want = _files(have), _files(want)
             if what == "template":
                 have, want = template.get("name"), d.template
+            if what == "seed":  # the seed that chose the held-out documents, not the run's own
+                what = "split seed"
+                fix = f"set data.split_seed={have} to train on that split with any train.seed, point data.prepared_dir"
+                fix += " elsewhere,"
+            else:
+                fix = "point data.prepared_dir elsewhere,"
             raise DataError(
-                f"{ddir} was prepared with {what} {have}, but the config asks for {want}; point "
-                f"data.prepared_dir elsewhere, or remove {ddir} to prepare it again"
+                f"{ddir} was prepared with {what} {have}, but the config asks for {want}; {fix} "
+                f"or remove {ddir} to prepare it again"
             )
 
 

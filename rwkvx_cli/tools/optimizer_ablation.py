@@ -10,7 +10,8 @@ second seed at each recipe's best rate, at the sizes of SIZES, on the CPython st
 `corpus` writes one JSONL document per `.py` file of this Python's standard library (sorted by path,
 site-packages left out): about 31 MB of code that ships with every Python, nothing downloaded. Every
 run trains configs/ablation.yaml (which prepares it once, with a BPE of 4,096 ids trained on it, into
-runs/ablation/data) at one size, recipe, rate and seed, in `WORKDIR/<size>/<recipe>-lr<rate>-s<seed>`,
+runs/ablation/data; every seed validates on the held-out documents of split seed 0) at one size, recipe, rate
+and seed, in `WORKDIR/<size>/<recipe>-lr<rate>-s<seed>`,
 through `rwkvx train ... --resume`: a run already finished is not trained again, an interrupted one
 continues. The rate also sets lr_final (a twentieth of it); the warmup is 5% of the tokens. With
 `--branches 0.5` each WSD run also branches a decay (`train.decay_from`) from its checkpoint
@@ -92,6 +93,7 @@ def overrides(size: str, recipe: str, lr: float, seed: int, tokens: int, run_dir
         f"train.tokens={tokens}",
         f"train.ckpt_interval={max(tokens // TOKENS_PER_STEP // 10, 1)}",  # the decays branch from these
         f"train.seed={seed}",
+        "data.split_seed=0",  # every seed validates on the same held-out documents
     ]
 
 

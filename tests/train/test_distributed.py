@@ -175,7 +175,7 @@ def test_stale_prepared_data_stops_every_rank_in_one_line(tmp_path, corpus):
     # data.prepared_dir holds the corpus prepared with another seed: rank 0 refuses it while opening the data.
     data = prepared_data(tmp_path, corpus, "--seed", "7")
     line = refused_by_every_rank(tmp_path, tmp_path / "run", corpus, f"data.prepared_dir={data}")
-    assert f"{data} was prepared with seed 7, but the config asks for 0" in line
+    assert f"{data} was prepared with split seed 7, but the config asks for 0; set data.split_seed=7" in line
     assert not (tmp_path / "run" / "checkpoints").exists()
 
 

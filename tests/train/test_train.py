@@ -66,6 +66,24 @@ def test_eval_finds_the_data_of_a_run_trained_on_a_prepared_directory(tmp_path, 
     assert json.loads(result.stdout)["step"] == 2
 
 
+def test_split_seed_holds_the_validation_split_while_train_seed_changes(tmp_path, corpus):
+    # A second seed of an ablation validates on the first seed's held-out documents: data.split_seed
+    # chooses them (a run's train.seed does when it is unset, as before), and a directory prepared
+    # with another split seed is refused naming the setting.
+    prep = tmp_path / "prep"
+    train(*tiny_args(tmp_path / "s0", corpus, "train.tokens=256", f"data.prepared_dir={prep}"))
+    split = json.loads((prep / "meta.json").read_text())
+    assert split["seed"] == 0
+    train(*tiny_args(tmp_path / "s1", corpus, "train.tokens=256", f"data.prepared_dir={prep}",
+                     "train.seed=1", "data.split_seed=0"))
+    assert json.loads((prep / "meta.json").read_text()) == split  # the same split, not prepared again
+    assert losses(tmp_path / "s1") != losses(tmp_path / "s0")  # the seed still changes the run
+    result = runner.invoke(app, ["train", *tiny_args(tmp_path / "s2", corpus, "train.tokens=256",
+                                                     f"data.prepared_dir={prep}", "train.seed=1")])
+    assert result.exit_code != 0
+    assert "prepared with split seed 0, but the config asks for 1; set data.split_seed=0" in result.stderr
+
+
 @pytest.mark.parametrize(
     "override,message",
     [
