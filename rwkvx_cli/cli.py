@@ -118,9 +118,12 @@ def eval_cmd(
     trials: opt.Trials = None,
     plot: opt.Plot = None,
     reset_at_eod: opt.ResetAtEod = None,
+    documents: opt.Documents = None,
+    state: opt.StateFile = None,
     force: opt.ForceOpt = False,
 ) -> None:
-    """Validation loss, perplexity, bits/byte and tokens/s of a checkpoint (--generate: and a sample); --tasks:
+    """Validation loss, perplexity, bits/byte and tokens/s of a checkpoint (--generate: and a sample; --state: from
+    a tuned state); --tasks:
     lm-evaluation-harness (docs/eval.md; pip install 'rwkvx\\[eval]'); --by-position, --passkey: long context."""
     options = dict(locals())  # every option, by name: the library checks which go together
     from rwkvx_cli.evaluation.command import run_eval
@@ -162,7 +165,8 @@ def export(
     dtype: Annotated[opt.ExportDtype, typer.Option(help="Tensor dtype of the file.")] = opt.ExportDtype["fp32"],
     force: Annotated[bool, typer.Option("--force", help="Replace --out; export non-finite values anyway.")] = False,
 ) -> None:
-    """Write a checkpoint for other tools: RWKV-LM .pth, safetensors, Hugging Face (fla) dir, RWKV-X .pth."""
+    """Write a checkpoint for other tools: RWKV-LM .pth, safetensors, Hugging Face (fla) dir, RWKV-X .pth; a
+    state-tuned run's state: RWKV-PEFT's .pth (state), rwkvx's .safetensors (state-safetensors)."""
     from rwkvx_cli.runs.export import export_checkpoint
 
     render_export(export_checkpoint(checkpoint, out_path, fmt.value, dtype.value, on_skip=warn_skipped, force=force))
@@ -184,6 +188,7 @@ def bench(
     vs_unchunked: opt.VsFull = False,
     vs_unfused: opt.VsUnfused = False,
     vs_packed: opt.VsPacked = False,
+    state: opt.StateFile = None,
     json_path: opt.JsonOpt = None,
     force: opt.ForceOpt = False,
 ) -> None:
@@ -196,6 +201,7 @@ def bench(
         ("--vs-unchunked", vs_unchunked),
         ("--vs-unfused", vs_unfused),
         ("--vs-packed", vs_packed),
+        ("--state", state),
     )
     if model is not None and starts_every:
         raise UsageError("--starts-every times ops; it does not go with --model")
@@ -209,7 +215,7 @@ def bench(
         from rwkvx_cli.tools.bench_model import bench_model
 
         vs = dict(vs_gpt=vs_gpt, vs_unchunked=vs_unchunked, vs_unfused=vs_unfused, vs_packed=vs_packed)
-        result = bench_model(model, steps, dev, override or [], **vs)
+        result = bench_model(model, steps, dev, override or [], **vs, state=state)
         render_model_bench(result)
         write_json(json_path, result, force=force)
         return

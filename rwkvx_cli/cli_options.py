@@ -55,11 +55,25 @@ ResetAtEod = Annotated[
         help="Evaluate with / without a fresh state at each end-of-document token (default: as trained).",
     ),
 ]
+Documents = Annotated[
+    bool | None,
+    typer.Option(
+        "--documents/--no-documents",
+        help="Read each validation document alone from its start / consecutive windows (default: as trained).",
+    ),
+]
+StateFile = Annotated[
+    Path | None,
+    typer.Option("--state", help="Start every row from this tuned state (export --format state-safetensors)."),
+]
 
 # export
-ExportFormat = choices("ExportFormat", "rwkv-lm", "safetensors", "hf", "rwkv-x")
+ExportFormat = choices("ExportFormat", "rwkv-lm", "safetensors", "hf", "rwkv-x", "state", "state-safetensors")
 ExportDtype = choices("ExportDtype", "fp32", "bf16", "fp16")
-FormatOpt = Annotated[ExportFormat, typer.Option("--format", help="rwkv-lm, safetensors, hf (a dir), rwkv-x.")]
+FormatOpt = Annotated[
+    ExportFormat,
+    typer.Option("--format", help="rwkv-lm, safetensors, hf (a dir), rwkv-x; a tuned state: state, state-safetensors."),
+]
 
 # bench: ops
 BenchDevice = choices("BenchDevice", "auto", "cpu", "cuda")

@@ -65,6 +65,12 @@ PRECISIONS = ("auto", "fp32", "bf16-mixed", "tf32")
 OPTIMIZERS = ("adamw", "muon")
 SCHEDULES = ("cosine", "wsd")
 DECAY_SHAPES = ("linear", "1-sqrt", "cosine")
+# train.sampler (data/sampler.py) and train.tune (models/state.py; docs/training.md#state-tuning).
+SAMPLERS = ("epoch", "random", "documents")
+TUNES = ("full", "state")
+# The layer kinds state tuning takes: RWKV-7 blocks get a trainable initial state, MoBA blocks (whose
+# state is the keys and values read, nothing of fixed size) stay frozen and start empty.
+STATE_TUNED_KINDS = ("rwkv7", "moba")
 
 # RWKV-LM's ln_x (GroupNorm) eps: model.ln_x_eps's default.
 LN_X_EPS = 64e-5
@@ -218,7 +224,10 @@ class TrainConfig:
     # recurrent state (WKV state and token shifts) carries over, detached, between steps.
     tbptt: bool = False
     # Training windows: "epoch" visits every window once per epoch in a seeded order; "random"
-    # draws windows uniformly with replacement. (TBPTT reads consecutive streams; data.mix is per epoch.)
+    # draws windows uniformly with replacement; "documents" starts every row at a document's start
+    # (the token after an end-of-document id), each document once per epoch in a seeded order, the
+    # targets past its end carrying no loss (RWKV-PEFT's `pad` rows). (TBPTT reads consecutive streams;
+    # data.mix is per epoch.)
     sampler: str = "epoch"
     device: str = "auto"  # auto, cpu, cuda
     # Numeric precision (PRECISIONS): fp32; bf16-mixed (bf16 autocast over fp32 master weights, CUDA
@@ -248,6 +257,14 @@ class TrainConfig:
     # Start from these weights instead of the seeded init: a checkpoint or run directory,
     # a .safetensors file, or an RWKV-LM .pth state dict (loaded with weights_only=True).
     init_from: str = ""
+    # What trains: "full", every weight; "state", state tuning: the weights of train.init_from frozen,
+    # and a trainable initial state per RWKV-7 block ([H, N, N], from zeros, RWKV-PEFT's time_state)
+    # from which every row starts, at a document start (train.sampler=documents); AdamW without weight
+    # decay over the state alone (docs/training.md#state-tuning).
+    tune: str = "full"
+    # train.tune=state: also tune each RWKV-7 block's two token-shift states ([C] each). RWKV-PEFT's
+    # state file cannot carry them (runtimes start them at zero), so off by default.
+    tune_shifts: bool = False
     # Branch a decay: continue another run's checkpoint (a checkpoint directory, or a run directory: its
     # newest good one) from its stable phase (train.lr_schedule=wsd) in this run directory, with its
     # weights, optimizer state, data position and RNG, decaying over train.decay_tokens from there
@@ -348,7 +365,8 @@ class Config:
             (d.split_seed is None or 0 <= d.split_seed <= MAX_SEED, "data.split_seed",
              f"must be between 0 and {MAX_SEED}"),
             (len(d.corpus) >= 1, "data.corpus", "must name at least one file"),
-            (t.sampler in ("epoch", "random"), "train.sampler", "must be epoch or random"),
+            (t.sampler in SAMPLERS, "train.sampler", f"{t.sampler!r} is not one of {', '.join(SAMPLERS)}"),
+            (t.tune in TUNES, "train.tune", f"{t.tune!r} is not one of {', '.join(TUNES)}"),
             (t.head in ("chunked", "full"), "train.head", "must be chunked or full"),
             (0 <= d.eod_id < MAX_VOCAB, "data.eod_id", f"must be from 0 to {MAX_VOCAB - 1:,}"),
             (MIN_BPE_VOCAB <= d.bpe_vocab_size <= MAX_VOCAB, "data.bpe_vocab_size",
@@ -373,6 +391,7 @@ class Config:
         self._validate_head_size()
         self._validate_logging()
         self._validate_sources(written)
+        self._validate_tuning()
 
     def _vocabulary_checks(self, written: Collection[str]) -> list[tuple[bool, str, str]]:
         """data.eod_id against the vocabulary it is resolved with: an id of the model's vocabulary, and
@@ -412,6 +431,36 @@ class Config:
             raise ConfigError(f"train.profile_steps: {p} must be [a, b], two steps with 1 <= a <= b (or [] for off)")
         if p and p[1] > self.total_steps:
             raise ConfigError(f"train.profile_steps: step {p[1]} is past the run's last step ({self.total_steps})")
+
+    def _validate_tuning(self) -> None:
+        """train.tune=state and train.sampler=documents against the settings they cannot go with."""
+        m, d, t = self.model, self.data, self.train
+        if t.sampler == "documents" and t.tbptt:  # (data.mix takes the epoch sampler: _validate_sources)
+            raise ConfigError("train.tbptt: truncated BPTT reads one stream; train.sampler=documents starts every "
+                              "row at a document")
+        if t.tune_shifts and t.tune != "state":
+            raise ConfigError("train.tune_shifts: tunes the token shifts of state tuning; set train.tune=state")
+        if t.tune != "state":
+            return
+        other = sorted(set(expand_layers(m.layers) if m.layers else ["rwkv7"]) - set(STATE_TUNED_KINDS))
+        refusals = [
+            (not t.init_from, "train.init_from",
+             "state tuning trains an initial state for trained weights, which stay frozen: name them"),
+            (t.sampler != "documents", "train.sampler",
+             f"{t.sampler}: state tuning starts every row from the tuned state at a document's start, as a "
+             "runtime starts a conversation: set train.sampler=documents"),
+            (d.reset_at_eod, "data.reset_at_eod",
+             "with state tuning every document starts from the tuned state, not a zero one; set it false"),
+            (t.optimizer != "adamw", "train.optimizer",
+             f"{t.optimizer}: state tuning trains the states alone, with AdamW (no matrix for Muon)"),
+            (bool(t.decay_from), "train.decay_from",
+             "branches a full run's decay; state tuning starts from train.init_from"),
+            (bool(other), "train.tune",
+             f"state tuning tunes RWKV-7 blocks' state (MoBA blocks stay frozen); not {', '.join(other)} blocks"),
+        ]  # fmt: skip
+        for bad, name, why in refusals:
+            if bad:
+                raise ConfigError(f"{name}: {why}")
 
     def _validate_sources(self, written: Collection[str]) -> None:
         """data.corpus, data.binidx and data.mix are three ways to give the training data: one at a time."""

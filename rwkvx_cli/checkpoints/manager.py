@@ -76,7 +76,11 @@ class CheckpointManager:
     (runs/lock.py); it may return the locked directory's (st_dev, st_ino). Rank 0 writes into the
     checkpoints folder it opened at its first save (store.Root), which must be in that directory and
     still at its path for the whole save: a run directory moved or replaced meanwhile receives
-    nothing. A checkpoints folder that is a symbolic link is refused when the manager is made."""
+    nothing. A checkpoints folder that is a symbolic link is refused when the manager is made.
+
+    State tuning (train.tune=state): `model` is the trainable initial state alone (models/state.py), and
+    `base` the record of the frozen weights (runs/tuned.py's base_record), kept in meta.json; a checkpoint
+    whose base has another digest is refused on load (its state was tuned for other weights)."""
 
     def __init__(
         self,
@@ -89,8 +93,10 @@ class CheckpointManager:
         device: torch.device,
         before_save: Callable[[], None] | None = None,
         guard: Callable[[], None] | None = None,
+        base: dict | None = None,
     ):
         self.root, self.cfg, self.model, self.optimizer = Path(root), cfg, model, optimizer
+        self.base = base
         self.micro, self.dist, self.device, self.before_save = micro, dist, device, before_save
         self.guard = guard
         self.interval, self.keep_last = cfg.train.ckpt_interval, cfg.train.keep_last
@@ -126,6 +132,7 @@ class CheckpointManager:
             "tokens": tokens,
             "skipped_steps": skipped_steps,
             "nonfinite_in_row": nonfinite_in_row,
+            **({"base": self.base} if self.base is not None else {}),
         }
 
     def save(
@@ -276,6 +283,7 @@ class CheckpointManager:
             meta, load = self._sharded_loader(path)
         else:
             meta, load = self._full_loader(path, meta)
+        self._check_base(path, meta)
         try:
             rng = torch.tensor(meta.get("torch_rng", torch.get_rng_state().tolist()), dtype=torch.uint8)
             skipped, in_row = int(meta.get("skipped_steps", 0)), int(meta.get("nonfinite_in_row", 0))
@@ -290,6 +298,20 @@ class CheckpointManager:
             raise CheckpointError(f"{path} cannot be loaded: {e}") from None
         carry = self._restore_carry(store.load_extra(path), str(path))
         return Restored(meta["step"], tokens_trained(meta), skipped, in_row, carry)
+
+    def _check_base(self, path: Path, meta: dict) -> None:
+        """A state-tuned run's checkpoint names the frozen weights this run holds (their digest): else the
+        state was tuned for others. (Either kind of run refuses the other's checkpoints by train.tune.)"""
+        saved = meta.get("base")
+        if self.base is None or saved is None:
+            return
+        saved = saved if isinstance(saved, dict) else {}
+        if saved.get("sha256") != self.base["sha256"]:
+            raise CheckpointError(
+                f"{path}: its state was tuned for the weights of {saved.get('weights')} (sha256 "
+                f"{str(saved.get('sha256'))[:12]}...), "
+                f"not those of {self.base['weights']} ({self.base['sha256'][:12]}...) that train.init_from gives now"
+            )
 
     def _newest_good(self, on_skip) -> tuple[Path, dict] | None:
         """(path, meta.json) of the newest checkpoint that verifies, every rank agreeing (None: there is
@@ -428,6 +450,11 @@ OPERATIONAL = frozenset(
 OPTIMIZER_KIND = frozenset({"train.optimizer", "train.muon_lora"})
 
 
+# What a checkpoint's tensors are: every weight (train.tune=full) or a tuned initial state alone (state,
+# with or without token shifts). Not even --allow-change changes them.
+TRAINED = frozenset({"train.tune", "train.tune_shifts"})
+
+
 # Model settings that choose how the model is computed, not what it is: the weights fit either way,
 # but the rounding differs, so a change goes through --allow-change as a training setting does.
 MODEL_RUNTIME = frozenset({"model.fused"})
@@ -453,6 +480,11 @@ def resume_changes(saved: Config, cfg: Config, allowed: Collection[str] = ()) ->
     for key, (old, new) in changes.items():
         if key.startswith("model.") and key not in MODEL_RUNTIME:
             raise ConfigError(f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; the model is fixed")
+        if key in TRAINED:
+            raise ConfigError(
+                f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; their tensors are another "
+                "kind's (train.tune=state keeps the initial state alone): start a new run"
+            )
         if key in OPTIMIZER_KIND:
             raise ConfigError(
                 f"--resume: {key} is {old!r} in the run's checkpoints, {new!r} now; their optimizer state cannot "

@@ -310,3 +310,106 @@ class StreamSampler(WindowSampler):
         span = len(self.tokens) - self.ctx_len
         origin = np.random.default_rng([self.seed, 2**31]).integers(0, span, size=self.batch_size)
         return (origin + step * self.ctx_len) % span
+
+
+def documents(tokens, eod_id: int, chunk: int = 1 << 24) -> tuple[np.ndarray, np.ndarray]:
+    """(start, end) of every document of `tokens` that has a target: it starts at position 0 or after an
+    end-of-document id, and ends at its own end-of-document id (included: the prediction that ends it) or
+    at the last token; an empty one (an id `eod_id` right after another) has no target and is left out.
+    Read in pieces, so that a large memory map is never compared whole."""
+    arr = _as_array(tokens)
+    n = len(arr)
+    found = [np.flatnonzero(np.asarray(arr[lo : lo + chunk]) == eod_id) + lo for lo in range(0, n, chunk)]
+    eods = np.concatenate(found).astype(np.int64) if found else np.zeros(0, dtype=np.int64)
+    starts = np.concatenate([[0], eods + 1]).astype(np.int64)
+    starts = starts[starts < n]
+    following = np.searchsorted(eods, starts)  # each start's own end-of-document id, where one follows
+    ends = np.full(len(starts), n - 1, dtype=np.int64)
+    ends[following < len(eods)] = eods[following[following < len(eods)]]
+    keep = ends > starts
+    return starts[keep], ends[keep]
+
+
+class DocumentSampler:
+    """train.sampler=documents: every row starts at a document's start and reads `ctx_len + 1` tokens from
+    there; the targets past the document's end (its end-of-document id, which carries loss) carry none,
+    whatever the tokens there are (the next documents', or the last token repeated past the split's end),
+    and a document longer than the window trains on its first `ctx_len` targets (RWKV-PEFT's `pad` rows).
+    Global sample g (row j of step s is g = s * batch_size + j) is document `permute(g % n, seed, epoch =
+    g // n)` of the n documents: each once per epoch, in a seeded order, any step computed without the
+    ones before it. Always gives target masks (the document's extent, and the loss masks where given), so
+    the loss is the mean over the global batch's targets that carry loss (docs/training.md#loss-masks)."""
+
+    def __init__(self, tokens, eod_id: int, ctx_len: int, batch_size: int, seed: int = 0, masks=None):
+        if ctx_len < 1:
+            raise ValueError(f"ctx_len must be >= 1, got {ctx_len}")
+        if batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {batch_size}")
+        self.tokens = _as_array(tokens)
+        _check_masks(masks, self.tokens)
+        self.masks, self.ctx_len, self.batch_size, self.seed = masks, ctx_len, batch_size, seed
+        self.doc_starts, self.doc_ends = documents(self.tokens, eod_id)
+        if not len(self.doc_starts):
+            raise DataError(f"the split holds no document with a token to predict (end-of-document id {eod_id})")
+        self.n_windows = len(self.doc_starts)  # one epoch: every document once
+        self._offsets = np.arange(ctx_len + 1)
+
+    def epoch(self, step: int) -> int:
+        return step * self.batch_size // self.n_windows
+
+    def rows(self, step: int) -> np.ndarray:
+        """The documents of the global batch at `step`."""
+        g = step * self.batch_size + np.arange(self.batch_size, dtype=np.int64)
+        epochs, index = np.divmod(g, self.n_windows)
+        out = np.empty_like(g)
+        for e in np.unique(epochs).tolist():
+            sel = epochs == e
+            out[sel] = permute(index[sel], self.n_windows, self.seed, e)
+        return out
+
+    def starts(self, step: int) -> np.ndarray:
+        return self.doc_starts[self.rows(step)]
+
+    def _positions(self, docs: np.ndarray) -> np.ndarray:
+        return np.minimum(self.doc_starts[docs][:, None] + self._offsets, len(self.tokens) - 1)
+
+    def batch(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_rank(self.batch_size, rank, world_size)
+        docs = self.rows(step)[rank::world_size]
+        w = torch.from_numpy(np.asarray(self.tokens[self._positions(docs)]).astype(np.int64))
+        return w[:, :-1], w[:, 1:]
+
+    def target_masks(self, step: int, rank: int = 0, world_size: int = 1) -> tuple[torch.Tensor, int]:
+        """(bool [rows, ctx_len]: which of this rank's targets carry loss, their count in the global batch)."""
+        _check_rank(self.batch_size, rank, world_size)
+        docs = self.rows(step)
+        m = document_masks(self.doc_starts[docs], self.doc_ends[docs], self.ctx_len, self.masks)
+        return torch.from_numpy(m[rank::world_size]), int(m.sum())
+
+
+def document_masks(starts: np.ndarray, ends: np.ndarray, ctx_len: int, masks=None) -> np.ndarray:
+    """bool [rows, ctx_len]: the targets of rows read from `starts` that lie in their document (up to its
+    `ends`, included) and carry loss by `masks` (None: all)."""
+    positions = starts[:, None] + np.arange(1, ctx_len + 1)
+    inside = positions <= ends[:, None]
+    if masks is not None:
+        m = np.asarray(masks[np.minimum(positions, len(masks) - 1)]) != 0
+        inside &= m
+    return inside
+
+
+def document_windows(tokens, eod_id: int, ctx_len: int, max_tokens: int, masks=None):
+    """Evaluation of train.sampler=documents: each document that starts among the first `max_tokens` tokens,
+    read alone from its start (up to `ctx_len` targets): (x [1, ctx_len], y, m bool [1, ctx_len]: the
+    targets that lie in the document and carry loss by `masks`, the count of its targets in the window).
+    Past the split's end the last token is repeated (m false)."""
+    arr = _as_array(tokens)
+    _check_masks(masks, arr)
+    starts, ends = documents(arr, eod_id)
+    offsets = np.arange(ctx_len + 1)
+    for s, e in zip(starts.tolist(), ends.tolist(), strict=True):
+        if s >= max_tokens:
+            break
+        w = torch.from_numpy(np.asarray(arr[np.minimum(s + offsets, len(arr) - 1)]).astype(np.int64))[None]
+        m = document_masks(np.array([s]), np.array([e]), ctx_len, masks)
+        yield w[:, :-1], w[:, 1:], torch.from_numpy(m), min(e - s, ctx_len)

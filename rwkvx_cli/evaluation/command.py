@@ -21,6 +21,11 @@ def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[
     """(mode, what it computed) for the eval options `o` (the CLI's, by parameter name); `on_progress(what,
     done, total[, unit])` hears the work done (render.console.progress shows it)."""
     long = {k: o[k] for k in LONG}
+    plain_only = [f"--{k.replace('_', '-')}" for k in ("state", "documents") if o[k] is not None]
+    if plain_only and (o["tasks"] is not None or any(v not in (None, False) for v in long.values())):
+        raise UsageError(
+            f"{plain_only[0]} goes with the validation figures and --generate, not --tasks or long context"
+        )
     if any(v not in (None, False) for v in long.values()):
         from rwkvx_cli.evaluation.long_context import run_long_context
 
@@ -36,6 +41,7 @@ def run_eval(checkpoint: Path, *, on_skip=None, on_progress=None, **o) -> tuple[
 
         sample = {"prompt": o["generate"], "n_tokens": o["tokens"], "temperature": o["temperature"]}
         sample |= {"top_p": o["top_p"], "seed": o["seed"], "reset_at_eod": o["reset_at_eod"]}
+        sample |= {"documents": o["documents"], "state": o["state"]}
         return "plain", eval_checkpoint(checkpoint, o["data_dir"], on_skip=on_skip, on_progress=on_progress, **sample)
     if o["generate"] is not None:
         raise UsageError("--generate and --tasks do not go together; run them separately")

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from rwkvx_cli.data.errors import DataError
-from rwkvx_cli.data.sampler import sequential_windows
+from rwkvx_cli.data.sampler import document_windows, documents, sequential_windows
 from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.models import LM, document_starts
 from rwkvx_cli.models.generate import generate
@@ -115,6 +115,75 @@ def evaluate(
     return out
 
 
+@torch.no_grad()
+def evaluate_documents(
+    model: LM,
+    tokens,
+    ctx_len: int,
+    batch: int,
+    max_tokens: int,
+    tokenizer,
+    runtime: Runtime,
+    on_progress: Progress | None = None,
+    masks=None,
+    initial=None,
+) -> dict:
+    """`evaluate` for a run of train.sampler=documents: every document that starts among the first
+    `max_tokens` tokens of the split, read alone from its start (its first `ctx_len` targets), from the
+    tuned initial state `initial` (models/state.py's InitialState: train.tune=state) or the zero state,
+    as training reads its rows. The loss and bits per byte are over the targets inside the documents
+    (their end-of-document id included) that carry loss by `masks` (all, without); `tokens` counts the
+    targets inside the documents, `documents` the documents. `on_progress("validation", done, total,
+    "documents")` after each batch."""
+    model.eval()
+    starts, _ = documents(tokens, tokenizer.eod_id)
+    planned = int((starts < max_tokens).sum())
+    if on_progress is not None:
+        on_progress("validation", 0, planned, "documents")
+    total, count, inside, done = 0.0, 0, 0, 0
+    predicted: list[int] = []
+    rows: list[tuple] = []
+
+    def flush():
+        nonlocal total, count, inside, done
+        x, y, m = (torch.cat([r[i] for r in rows]).to(runtime.device) for i in range(3))
+        state = initial.expand(x.shape[0]) if initial is not None else None
+        with runtime.autocast():
+            logits, _ = model(x, state)
+        each = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
+        carries = m.flatten()
+        total += float(each[carries].double().sum())
+        count += int(carries.sum())
+        predicted.extend(y.flatten()[carries].tolist())
+        inside += sum(int(r[3]) for r in rows)
+        done += len(rows)
+        rows.clear()
+        if on_progress is not None:
+            on_progress("validation", done, planned, "documents")
+
+    for x, y, m, n_inside in document_windows(tokens, tokenizer.eod_id, ctx_len, max_tokens, masks):
+        rows.append((x, y, m, n_inside))
+        if len(rows) == batch:
+            flush()
+    if rows:
+        flush()
+    model.train()
+    if not done:
+        raise DataError(f"the split holds no document with a token to predict among its first {max_tokens:,} tokens")
+    n_bytes = len(tokenizer.decode(predicted).encode("utf-8"))
+    loss = total / count if count else None
+    out = {
+        "loss": loss,
+        "ppl": math.exp(min(loss, 50.0)) if loss is not None else None,
+        "bpb": total / math.log(2) / n_bytes if n_bytes else None,
+        "tokens": inside,
+        "documents": done,
+    }
+    if masks is not None:
+        out["loss_tokens"] = count
+    return out
+
+
 def eval_checkpoint(
     checkpoint: Path,
     data_dir: Path | None = None,
@@ -125,28 +194,47 @@ def eval_checkpoint(
     top_p: float = 0.85,
     seed: int = 0,
     reset_at_eod: bool | None = None,
+    documents: bool | None = None,
+    state: Path | None = None,
     on_skip: Callable[[Path, str], None] | None = None,
     on_progress: Progress | None = None,
 ) -> dict:
     """`rwkvx eval`: the validation figures of a checkpoint (a checkpoint dir, or a run dir: its
     newest good one) on its run's validation split (or `data_dir`'s), under the run's train.precision
     (fp32 where this device cannot run it) and data.reset_at_eod (`reset_at_eod`: True or False
-    instead, see open_checkpoint); with `prompt`, also a sampled continuation. `on_progress`:
-    see `evaluate`; then ("generating", done, n_tokens), in "tokens" as all of them."""
+    instead, see open_checkpoint); with `prompt`, also a sampled continuation. `documents`: every
+    validation document read alone from its start (`evaluate_documents`) or consecutive windows
+    (None: as the run trained, train.sampler). A state-tuned run's checkpoint, or `state` (rwkvx's
+    state file, for this checkpoint's weights), starts every document and the sample from its tuned
+    state: documents alone. `on_progress`: see `evaluate`; then ("generating", done, n_tokens), in
+    "tokens" as all of them."""
     if prompt is not None:
         try:
             prompt.encode("utf-8")
         except UnicodeEncodeError:
             raise UsageError("--generate: the prompt is not valid UTF-8 text") from None
-    opened = open_checkpoint(checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod)
+    opened = open_checkpoint(
+        checkpoint, data_dir=data_dir, on_skip=on_skip, reset_at_eod=reset_at_eod, state=state, tuned=True
+    )
     cfg, t = opened.config, opened.config.train
+    initial = opened.initial
+    if initial is not None and documents is False:
+        raise UsageError("--no-documents: a tuned state starts each document; it reads no window from the middle")
+    if initial is not None and cfg.data.reset_at_eod:
+        raise UsageError("--reset-at-eod: a tuned state starts each document, where a reset would start from zeros")
+    by_document = documents if documents is not None else (t.sampler == "documents" or initial is not None)
     val = open_data(cfg, opened.checkpoint.run_dir, data_dir, check_train=False).val
     start = time.perf_counter()
     figures = (t.ctx_len, t.micro_batch, t.eval_tokens, opened.tokenizer, opened.runtime)
-    ev = evaluate(
-        opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod,
-        masks=getattr(val, "mask", None),
-    )
+    masks = getattr(val, "mask", None)
+    if by_document:
+        ev = evaluate_documents(
+            opened.model, val.tokens, *figures, on_progress=on_progress, masks=masks, initial=initial
+        )
+    else:
+        ev = evaluate(
+            opened.model, val.tokens, *figures, on_progress=on_progress, reset_at_eod=cfg.data.reset_at_eod, masks=masks
+        )
     if ev.get("loss_tokens") == 0:
         raise DataError(
             f"no target among the first {ev['tokens']:,} validation tokens carries loss (the split's loss masks); "
@@ -155,6 +243,8 @@ def eval_checkpoint(
     ev["tokens_per_s"] = ev["tokens"] / (time.perf_counter() - start)
     ev["step"] = opened.step
     ev["reset_at_eod"] = cfg.data.reset_at_eod
+    ev["by_document"] = by_document
+    ev["tuned_state"] = str(state) if state is not None else (str(opened.checkpoint.path) if initial else None)
     ev["checkpoint"] = str(opened.checkpoint.path)
     if prompt is not None:
         tok = opened.tokenizer
@@ -167,7 +257,8 @@ def eval_checkpoint(
             on_token(0)
         reset = tok.eod_id if cfg.data.reset_at_eod else None
         ids = generate(
-            opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size, on_token, reset
+            opened.model, tok.encode(prompt), n_tokens, temperature, top_p, seed, tok.vocab_size, on_token, reset,
+            state=None if initial is None else initial.expand(1),
         )
         ev["sample"] = prompt + opened.tokenizer.decode(ids)
     return ev

@@ -35,11 +35,13 @@ def generate(
     vocab_size: int | None = None,
     on_token=None,
     reset_at: int | None = None,
+    state: list | None = None,
 ) -> list[int]:
     """`n_tokens` ids sampled after `prompt`; only ids below `vocab_size` (the tokenizer's, where the
     model's vocabulary is larger: its extra rows are never decodable). `on_token(n)`: n ids so far.
     `reset_at`: an id (the end-of-document one, for a run trained with data.reset_at_eod) that
-    starts a document, in the prompt or sampled: the model reads it from a zero state."""
+    starts a document, in the prompt or sampled: the model reads it from a zero state. `state`: the state
+    the prompt is read from (one row: a tuned initial state, models/state.py), or None: zeros."""
     model.eval()
     device = next(model.parameters()).device
     gen = torch.Generator().manual_seed(seed)
@@ -50,7 +52,7 @@ def generate(
     ids = list(prompt) or [0]
     out: list[int] = []
     idx = torch.tensor([ids], device=device)
-    logits, state = model(idx, starts=document_starts(idx, reset_at))
+    logits, state = model(idx, state, starts=document_starts(idx, reset_at))
     for _ in range(n_tokens):
         nxt = pick(logits[0, -1])
         out.append(nxt)

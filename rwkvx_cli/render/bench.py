@@ -79,6 +79,7 @@ def render_model_bench(r: dict) -> None:
         ("tokens_per_s", "tokens/s"),
         ("step_ms", "ms / step"),
         ("parameters", "parameters"),
+        ("trainable", "  trainable"),
         ("recurrence_pct", "recurrence ops %"),
         ("matmul_pct", "matmuls %"),
         ("fused_pct", "fused block kernels %"),
@@ -123,6 +124,9 @@ def render_model_bench(r: dict) -> None:
         )
         accum = f", {r['grad_accum']} micro-batches a step" if r.get("grad_accum", 1) > 1 else ""
         out.print(f"optimizer step (this run: {r['optimizer']}{accum}): {shares}")
+    if r.get("tune") == "state":
+        origin = f"from {r['state']}" if r.get("state") else "from zeros"
+        out.print(f"state tuning: the weights frozen, the initial state ({origin}) the one thing trained, by AdamW")
     out.print(f"[dim]{r['mfu_formula']}[/]")
 
 

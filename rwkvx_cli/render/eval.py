@@ -30,6 +30,8 @@ def render_eval(ev: dict, as_json: bool) -> None:
         + (f" ({ev['loss_tokens']:,} carry loss)" if ev.get("loss_tokens") is not None else "")
         + f" ({ev['tokens_per_s']:,.0f} tokens/s)"
         + (", documents reset at each end-of-document token" if ev.get("reset_at_eod") else "")
+        + (f", {ev['documents']:,} documents each read from its start" if ev.get("documents") is not None else "")
+        + (", from the tuned state" if ev.get("tuned_state") else "")
     )
     if "sample" in ev:
         out.print(ev["sample"], markup=False)

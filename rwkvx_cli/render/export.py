@@ -11,6 +11,8 @@ def render_export(info: dict) -> None:
     out.print(f"wrote {info['out']} ({info['format']}, {info['tensors']} tensors, step {info['step']})", markup=False)
     if info.get("left_out"):
         out.print(f"not in the format (unused by it): {', '.join(info['left_out'])}", markup=False)
+    if info.get("base"):
+        out.print(f"a state tuned for the weights of {info['base']}", markup=False)
     if info.get("tokenizer"):
         out.print(f"tokenizer: {info['tokenizer']}", markup=False)
     if info.get("rwkv_x_args"):

@@ -110,8 +110,11 @@ class TrainConsole:
         cfg, dist, summary = self.cfg, self.dist, start.summary
         self.view.total = start.last_step
         ranks = f" x {dist.world_size} ranks ({cfg.train.distributed})" if dist.launched else ""
+        what = f"{fmt_count(summary['parameters'])} parameters"
+        if "trainable" in summary:  # state tuning
+            what = f"the initial state ({fmt_count(summary['trainable'])} parameters) of {what}, frozen,"
         out.print(
-            f"training {fmt_count(summary['parameters'])} parameters ({summary['blocks']}) on {start.device}{ranks}: "
+            f"training {what} ({summary['blocks']}) on {start.device}{ranks}: "
             f"{start.last_step} steps x {cfg.tokens_per_step} tokens, run dir {Path(cfg.run_dir)}"
         )
         if dist.is_main and out.is_terminal:  # piped: rich would show only the last frame

@@ -6,6 +6,9 @@
     hf           a Hugging Face directory in fla's RWKV-7 layout (config.json, sharded safetensors,
                  the tokenizer's files), loadable by `transformers` with fla
     rwkv-x       RWKV-X's `.pth` layout (RWKV-7 and MoBA blocks)
+    state        a state-tuned run's state as RWKV-PEFT's state file, what RWKV runtimes load
+                 (`blocks.N.att.time_state`; runs/tuned.py)
+    state-safetensors   the same state as rwkvx's state file, naming its base (`eval --state`)
 
 Every format reads the checkpoint tensor by tensor and writes a temporary file or directory that
 is renamed into place. Weights a reader would get wrong are refused unless `force`: non-finite
@@ -29,15 +32,17 @@ from rwkvx_cli.checkpoints.store import io_reason
 from rwkvx_cli.config import LN_X_EPS, ModelConfig
 from rwkvx_cli.errors import RwkvxError, UsageError
 from rwkvx_cli.formats import export_hf, export_rwkv_x
-from rwkvx_cli.formats.tensors import TensorSource
+from rwkvx_cli.formats.tensors import DictSource, TensorSource
 from rwkvx_cli.formats.write import write_safetensors
 from rwkvx_cli.fsio import check_output, create_temp, fsync_path
 from rwkvx_cli.models import layer_kinds
+from rwkvx_cli.runs import tuned as tuning
 from rwkvx_cli.runs.opening import find_checkpoint
 from rwkvx_cli.runs.tokenizers import run_tokenizer
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-FORMATS = ("rwkv-lm", "safetensors", "hf", "rwkv-x")
+STATE_FORMATS = ("state", "state-safetensors")
+FORMATS = ("rwkv-lm", "safetensors", "hf", "rwkv-x", *STATE_FORMATS)
 
 
 def export_checkpoint(
@@ -51,9 +56,21 @@ def export_checkpoint(
     if dtype not in DTYPES:
         raise UsageError(f"unknown dtype {dtype!r}; valid: {', '.join(DTYPES)}")
     out = Path(out)
-    if fmt in ("rwkv-lm", "safetensors", "rwkv-x"):
+    if fmt != "hf":
         check_output(out, force, "--out")
     ckpt = find_checkpoint(checkpoint, on_skip)
+    base = tuning.base_of(ckpt.meta, str(ckpt.path))
+    if fmt in STATE_FORMATS:
+        if base is None:
+            raise RwkvxError(
+                f"{ckpt.path} is no state-tuned run's checkpoint (train.tune=state): it holds no tuned state"
+            )
+        return _export_state(ckpt, base, out, fmt, DTYPES[dtype], force)
+    if base is not None:
+        raise RwkvxError(
+            f"{ckpt.path} holds a tuned initial state, not weights: export it with --format state or "
+            f"state-safetensors; the weights it is tuned for are {base['weights']}"
+        )
     other = sorted(set(layer_kinds(ckpt.config.model)) - {"rwkv7"})
     if fmt in ("rwkv-lm", "hf") and other:
         raise RwkvxError(f"the {fmt} format holds plain RWKV-7 models; this one has {', '.join(other)} blocks")
@@ -76,6 +93,48 @@ def export_checkpoint(
                 raise
             raise RwkvxError(f"cannot write {out}: {io_reason(e)}; {_intact(out)}") from None
     return {**info, "checkpoint": str(ckpt.path), "step": ckpt.step, "warnings": warnings}
+
+
+def _export_state(ckpt, base: dict, out: Path, fmt: str, dtype: torch.dtype, force: bool) -> dict:
+    """A state-tuned checkpoint's state: RWKV-PEFT's file (`state`: torch.save of time_state tensors alone,
+    which is all its readers take: tuned token shifts are refused unless `force`, then left out with a
+    warning) or rwkvx's (`state-safetensors`: every tensor, and the base in its metadata)."""
+    tensors = tuning.checkpoint_state(ckpt.path, ckpt.meta)
+    warnings = value_problems(DictSource(tensors), dtype, str(ckpt.path), force)
+    shifts = tuning.tuned_shifts(tensors)
+    if fmt == "state" and shifts:
+        line = (
+            "the state tunes the token shifts (train.tune_shifts), which RWKV-PEFT's state file cannot hold: its "
+            "readers start them at zero and would compute other logits"
+        )
+        if not force:
+            raise RwkvxError(
+                f"{line}; export --format state-safetensors to keep them, or pass --force to leave them out"
+            )
+        warnings.append(line)
+    kinds = layer_kinds(ckpt.config.model)
+    if fmt == "state":
+        written = tuning.peft_state(tensors, kinds, dtype)
+    else:
+        written = {name: t.to(dtype).contiguous() for name, t in tensors.items()}
+        info = tuning.state_file_meta(base, ckpt.config.model, ckpt.step, str(ckpt.path), shifts)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp, f = create_temp(out)
+    try:
+        with f:
+            if fmt == "state":
+                torch.save(written, f)
+        if fmt == "state-safetensors":
+            write_safetensors(DictSource(written), tmp, list(written), {tuning.STATE_META: json.dumps(info)})
+        fsync_path(tmp)
+        os.replace(tmp, out)
+    except (OSError, SafetensorError, RuntimeError) as e:  # torch.save reports a failed write as RuntimeError
+        tmp.unlink(missing_ok=True)
+        raise RwkvxError(f"cannot write {out}: {io_reason(e)}; {_intact(out)}") from None
+    return {
+        "out": str(out), "format": fmt, "tensors": len(written), "checkpoint": str(ckpt.path), "step": ckpt.step,
+        "warnings": warnings, "base": base["weights"],
+    }  # fmt: skip
 
 
 def eps_problem(model: ModelConfig, fmt: str, force: bool) -> list[str]:

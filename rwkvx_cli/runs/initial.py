@@ -70,6 +70,12 @@ def plan_start(cfg: Config, on_skip: OnSkip | None = None) -> Start:
     if path.is_dir() and not (path / "config.json").is_file() and from_store(path):  # not HF: weights._open
         checkpoint, meta = resolve_checkpoint(path, on_skip)
         step = meta["step"]
+        if meta.get("base") is not None:
+            base = meta["base"] if isinstance(meta["base"], dict) else {}
+            raise FormatError(
+                f"train.init_from {checkpoint}: a state-tuned run's checkpoint holds its initial state, not weights; "
+                f"start from the weights it was tuned for ({base.get('weights')})"
+            )
     weights = str(checkpoint) if checkpoint is not None else cfg.train.init_from
     source, sizes = open_any(weights)
     check_start_tokenizer(cfg, sizes.notes, Path(weights))

@@ -77,7 +77,7 @@ def parameter_count(mcfg) -> int:
 
 def training_bytes(cfg, precision: str) -> tuple[float, str]:
     """(bytes, how) a training step needs at least: fp32 weights, gradients and AdamW's two moments
-    (16 bytes a parameter), one micro-batch's (under chunked BPTT one chunk's) logits and
+    (16 bytes a parameter; 4 under state tuning, whose frozen weights have neither), one micro-batch's (under chunked BPTT one chunk's) logits and
     log-probabilities and block inputs, and the sampled batch of token ids. `precision`: the
     resolved mode (runs/runtime.py)."""
     t, m = cfg.train, cfg.model
@@ -88,7 +88,7 @@ def training_bytes(cfg, precision: str) -> tuple[float, str]:
     # fp32 logits (or their fp32 copy under autocast) and log-softmax's saved output; each block's input.
     activations = tokens * (2 * m.vocab_size * 4 + len_layers(m) * m.n_embd * act_bytes)
     batch = 2 * t.micro_batch * t.grad_accum * (t.ctx_len + 1) * 8
-    need = 16 * params + activations + batch
+    need = (4 if t.tune == "state" else 16) * params + activations + batch
     return need, f"training {params:,} parameters with {t.micro_batch} x {t.ctx_len} tokens per micro-batch"
 
 

@@ -6,7 +6,8 @@
                             nothing large is read
     run_dir_named(path)     the run directory that path is in (None: a checkpoint kept elsewhere), nothing read
     open_checkpoint(path)   that, plus the run's tokenizer, the Runtime (device and precision, resolved
-                            once), and the model with its weights on the device, in eval mode
+                            once), and the model with its weights on the device, in eval mode; a
+                            state-tuned run's (train.tune=state): its frozen base and its tuned state
 
 Training opens its own run through the same pieces: the checkpoints (checkpoints/manager.py) for
 resume, the weights loader (runs/weights.py) for train.init_from, the tokenizer rule (runs/tokenizers.py).
@@ -23,9 +24,11 @@ from rwkvx_cli.checkpoints import full, sharded
 from rwkvx_cli.checkpoints.find import is_checkpoint_dir, open_weights, resolve_checkpoint
 from rwkvx_cli.checkpoints.store import is_step_dir, step_dirs
 from rwkvx_cli.config import Config, ConfigError, config_from_dict
-from rwkvx_cli.errors import CheckpointError
+from rwkvx_cli.errors import CheckpointError, UsageError
 from rwkvx_cli.fsio import RUN_MARKER
 from rwkvx_cli.models import LM
+from rwkvx_cli.models.state import InitialState
+from rwkvx_cli.runs import tuned as tuning
 from rwkvx_cli.runs.layout import checkpoints_dir, config_path, run_dir_of
 from rwkvx_cli.runs.memory import check_model
 from rwkvx_cli.runs.runtime import Runtime, resolve
@@ -52,12 +55,14 @@ class Checkpoint:
 
 @dataclass
 class Opened:
-    """A checkpoint ready to use: `model` on `runtime.device`, in eval mode."""
+    """A checkpoint ready to use: `model` on `runtime.device`, in eval mode; `initial`: the tuned initial
+    state every row starts from (a state-tuned run's, or a state file's), None: the zero state."""
 
     model: LM
     tokenizer: object
     runtime: Runtime
     checkpoint: Checkpoint
+    initial: InitialState | None = None
 
     @property
     def config(self) -> Config:
@@ -104,14 +109,26 @@ def open_checkpoint(
     on_skip: OnSkip | None = None,
     check: Callable[[Config], None] | None = None,
     reset_at_eod: bool | None = None,
+    state: Path | None = None,
+    tuned: bool = False,
 ) -> Opened:
     """Open a checkpoint for evaluation or inference. `device` / `precision`: as train.device /
     train.precision (None: the run's own settings), with what this machine lacks falling back to
     the CPU and fp32. `data_dir`: where the run's tokenizer.json is (None: the run's data, as
     training found it). `check(config)` may refuse the model before any weights are read.
     `reset_at_eod`: evaluate with (True) or without (False) document starts at end-of-document
-    tokens whatever the run trained with (None: as it trained); `opened.config` says which."""
+    tokens whatever the run trained with (None: as it trained); `opened.config` says which. `tuned`: the
+    caller starts rows from `opened.initial`: a state-tuned run's checkpoint opens as its frozen base
+    (read again from where its "base" says, checked by digest: runs/tuned.py) and its state, and `state`
+    (rwkvx's state file) gives the state instead, checked to be tuned for this model's weights. Without
+    `tuned` a state-tuned checkpoint is refused in one line."""
     ckpt = find_checkpoint(path, on_skip)
+    base = tuning.base_of(ckpt.meta, str(ckpt.path))
+    if base is not None and not tuned:
+        raise UsageError(
+            f"{ckpt.path} is a state-tuned run's checkpoint (its initial state alone): only rwkvx eval's validation "
+            "and --generate start rows from a tuned state"
+        )
     if reset_at_eod is not None and reset_at_eod != ckpt.config.data.reset_at_eod:
         data = copy.deepcopy(ckpt.meta["config"])
         data.setdefault("data", {})["reset_at_eod"] = reset_at_eod
@@ -123,12 +140,25 @@ def open_checkpoint(
     runtime = resolve(device or cfg.train.device, precision or cfg.train.precision, fallback=True)
     runtime.apply()
     check_model(cfg.model, runtime.device)  # a forged meta.json can ask for any size
-    model = LM(cfg.model)
-    if sharded.is_sharded(ckpt.meta):  # read tensor by tensor from the shards: never a second copy of the model
-        with open_weights(ckpt.path, ckpt.meta) as weights:
-            load_into(model, weights, str(ckpt.path))
+    initial = None
+    if base is not None:
+        model = tuning.open_base(cfg, base, str(ckpt.path))
+        initial = InitialState(model, cfg.train.tune_shifts)
+        tuning.load_state(initial, tuning.checkpoint_state(ckpt.path, ckpt.meta), str(ckpt.path))
     else:
-        load_into(model, full.load_weights(ckpt.path), str(ckpt.path))
+        model = LM(cfg.model)
+        if sharded.is_sharded(ckpt.meta):  # read tensor by tensor from the shards: never a second copy of the model
+            with open_weights(ckpt.path, ckpt.meta) as weights:
+                load_into(model, weights, str(ckpt.path))
+        else:
+            load_into(model, full.load_weights(ckpt.path), str(ckpt.path))
+    if state is not None:
+        tensors, info = tuning.read_state_file(state)
+        tuning.check_base(info["base"], model, f"--state {state}")
+        initial = InitialState(model, tuning.tuned_shifts(tensors))
+        tuning.load_state(initial, tensors, f"--state {state}")
     model.to(runtime.device)
     model.eval()
-    return Opened(model, tokenizer, runtime, ckpt)
+    if initial is not None:
+        initial.to(runtime.device)
+    return Opened(model, tokenizer, runtime, ckpt, initial)

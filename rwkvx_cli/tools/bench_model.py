@@ -41,6 +41,11 @@ gradients of one micro-batch, interleaved over the rounds (medians), and reports
 a training step of the config with it: train.grad_accum micro-batch steps (forward and backward) and
 one optimizer step (`optimizers`; the weights are put back after).
 
+With train.tune=state (or `state`, rwkvx's state file: the steps start from it) the step is state
+tuning's: every weight frozen, the loss backpropagated to the initial state (models/state.py) alone,
+AdamW over it; the weights are the config's seeded init, not train.init_from's (the time does not depend
+on their values), and `trainable` counts the state's parameters. No comparison goes with it.
+
 Every run also counts the ops a block dispatches in one forward + backward (tools/op_count.py):
 `ops_per_block` for this config's model, and with `vs_unfused` / `vs_gpt` for the unfused model
 and the GPT.
@@ -64,9 +69,11 @@ from rwkvx_cli.models.gpt import GPT, GPTConfig
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
 from rwkvx_cli.models.model import layer_kinds
 from rwkvx_cli.models.optimizer import adamw
+from rwkvx_cli.models.state import InitialState
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.runtime import matmul_peak_gflops, profiler_quiet, sync
+from rwkvx_cli.runs.tuned import load_state, read_state_file, tuned_shifts
 from rwkvx_cli.tools.op_count import ops_per_block
 
 COUNT_T = 64  # tokens of the op-count steps: the count does not depend on T (without chunk_len)
@@ -113,6 +120,7 @@ def bench_model(
     vs_unchunked: bool = False,
     vs_unfused: bool = False,
     vs_packed: bool = False,
+    state: Path | None = None,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
@@ -144,7 +152,15 @@ def bench_model(
     runtime.apply()
     mode = runtime.precision
     l2wrap = uses_l2wrap(tc.l2wrap, model.kinds)
-    opt = _optimizer(model, tc, tc.optimizer)
+    tuned = None
+    if state is not None or tc.tune == "state":
+        if given:
+            raise UsageError(f"{given[0]} does not go with state tuning (train.tune=state, --state)")
+        tuned = _initial_state(model, tc.tune_shifts, state).to(device)
+        opt = adamw([{"params": list(tuned.parameters()), "weight_decay": 0.0}], tc.lr, tc.betas, tc.eps)
+    else:
+        opt = _optimizer(model, tc, tc.optimizer)
+    trainable = tuned if tuned is not None else model
     B, T = tc.micro_batch, tc.ctx_len
     gen = torch.Generator().manual_seed(0)
     idx = torch.randint(0, cfg.model.vocab_size, (B, T + 1), generator=gen).to(device)
@@ -153,7 +169,7 @@ def bench_model(
         idx[:, ::doc_len] = cfg.data.eod_id
         starts = document_starts(idx[:, :-1], cfg.data.eod_id)
 
-    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts)
+    step = _train_step(model, opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts, tuned)
     step()  # warm-up
     sync(device)
     if vs_gpt:
@@ -195,8 +211,9 @@ def bench_model(
         sync(device)
         step_s = (time.perf_counter() - start) / steps
 
-    memory = step_memory(step, model, device)
-    optimizer_s = optimizer_steps(model, tc, idx, l2wrap, mode, device, steps, starts)
+    memory = step_memory(step, trainable, device)
+    if tuned is None:
+        optimizer_s = optimizer_steps(model, tc, idx, l2wrap, mode, device, steps, starts)
     activities = [torch.profiler.ProfilerActivity.CPU]
     if device.type == "cuda":
         activities.append(torch.profiler.ProfilerActivity.CUDA)
@@ -246,10 +263,16 @@ def bench_model(
         if given
         else f"mean of {steps} steps",
         "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap),
-        "optimizer": tc.optimizer,
-        "optimizers": optimizer_shares(optimizer_s, step_s, tc.optimizer, tc.grad_accum),
         "grad_accum": tc.grad_accum,
+        "tune": "state" if tuned is not None else "full",
+        "trainable": sum(p.numel() for p in trainable.parameters() if p.requires_grad),
     }
+    if tuned is None:
+        result["optimizer"] = tc.optimizer
+        result["optimizers"] = optimizer_shares(optimizer_s, step_s, tc.optimizer, tc.grad_accum)
+    else:
+        result["optimizer"] = "adamw (the state)"
+        result["state"] = str(state) if state is not None else None
     if vs_unfused:
         plain_tokens_per_s = B * T / plain_s
         result["unfused"] = {
@@ -343,22 +366,36 @@ def _train_step(
     compile: bool = False,
     chunk_len: int = 0,
     starts: torch.Tensor | None = None,
+    initial: InitialState | None = None,
 ):
     """The trainer's step on one micro-batch of `idx` (inputs idx[:, :-1], targets idx[:, 1:]): the
     loss under the precision's autocast, backward, the optimizer step, gradients freed. With
     `compile` (train.compile) the forward runs through torch.compile, as the trainer's does; with
     `chunk_len` (train.chunk_len) the window runs as chunked full BPTT; `starts`: the inputs'
-    document starts (data.reset_at_eod)."""
+    document starts (data.reset_at_eod); `initial`: the rows start from this tuned state (state tuning)."""
     forward = torch.compile(model) if compile else model
 
     def step():
+        state = None if initial is None else initial.expand(idx.shape[0])
         with rt.autocast(mode, device):
-            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], None, head, l2wrap, chunk_len, starts)
+            loss, _ = micro_batch_loss(forward, idx[:, :-1], idx[:, 1:], state, head, l2wrap, chunk_len, starts)
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
 
     return step
+
+
+def _initial_state(model, shifts: bool, path: Path | None) -> InitialState:
+    """State tuning's trainable state: zeros (train.tune_shifts says whether with shifts), or the state file
+    at `path` (its own shifts); `model` frozen."""
+    model.requires_grad_(False)
+    if path is None:
+        return InitialState(model, shifts)
+    tensors, _ = read_state_file(path)
+    initial = InitialState(model, tuned_shifts(tensors))
+    load_state(initial, tensors, f"--state {path}")
+    return initial
 
 
 def _optimizer(model, tc, kind: str) -> torch.optim.Optimizer:

@@ -139,12 +139,16 @@ def peer_loss_in_one_line():
         raise RankStopped(f"another rank of this run stopped ({reason}); its own message says why") from None
 
 
-def wrap(model: torch.nn.Module, mode: str, device: torch.device, precision: str = "fp32") -> torch.nn.Module:
+def wrap(
+    model: torch.nn.Module, mode: str, device: torch.device, precision: str = "fp32", trains: bool = True
+) -> torch.nn.Module:
     """The module the training step calls. DDP returns a wrapper; FSDP2 shards `model` in place
     (each block, then the root), so `model` itself becomes the sharded module; under bf16-mixed
     (`precision`, resolved: runs/runtime.py) with bf16 compute parameters, fp32 gradient
-    reduction and fp32 sharded master weights."""
-    if not active():
+    reduction and fp32 sharded master weights. `trains` false (state tuning: every weight frozen):
+    DDP has nothing to reduce and is left out (the state's gradients: `average_grads`); FSDP2 still
+    shards the frozen weights, each rank holding its share."""
+    if not active() or (mode == "ddp" and not trains):
         return model
     if mode == "fsdp":
         try:
@@ -185,7 +189,23 @@ def grad_sync(wrapped: torch.nn.Module, mode: str, sync: bool):
     if mode == "fsdp":
         wrapped.set_requires_gradient_sync(sync)
         return contextlib.nullcontext()
-    return contextlib.nullcontext() if sync else wrapped.no_sync()
+    return contextlib.nullcontext() if sync or not hasattr(wrapped, "no_sync") else wrapped.no_sync()
+
+
+def average_grads(module: torch.nn.Module) -> None:
+    """The mean over the ranks of `module`'s gradients, in place (what DDP does for the modules it wraps),
+    in one all-reduce; a parameter without a gradient gets zeros first (every rank reduces the same)."""
+    if not active():
+        return
+    params = [p for p in module.parameters() if p.requires_grad]
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    flat = torch.cat([p.grad.reshape(-1) for p in params])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    flat /= dist.get_world_size()
+    for p, g in zip(params, flat.split([p.numel() for p in params]), strict=True):
+        p.grad.copy_(g.view_as(p))
 
 
 def sum_all(t: torch.Tensor) -> torch.Tensor:

@@ -23,12 +23,13 @@ import torch
 from rwkvx_cli.checkpoints.manager import CheckpointManager
 from rwkvx_cli.checkpoints.ranks import sharded
 from rwkvx_cli.config import Config, ConfigError
-from rwkvx_cli.data.sampler import EpochSampler, MixtureSampler, StreamSampler, WindowSampler
+from rwkvx_cli.data.sampler import DocumentSampler, EpochSampler, MixtureSampler, StreamSampler, WindowSampler
 from rwkvx_cli.errors import RwkvxError
-from rwkvx_cli.evaluation.validation import evaluate
+from rwkvx_cli.evaluation.validation import evaluate, evaluate_documents
 from rwkvx_cli.models import LM, document_starts, parameter_groups
 from rwkvx_cli.models import optimizer as optimizers
 from rwkvx_cli.models.losses import micro_batch_loss, uses_l2wrap
+from rwkvx_cli.models.state import InitialState
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.layout import checkpoints_dir, metrics_path
@@ -68,12 +69,15 @@ def peak_memory_mb(device: torch.device) -> float:
         return float("nan")
 
 
-def make_sampler(cfg: Config, train_tokens, global_rows: int, masks=None):
+def make_sampler(cfg: Config, train_tokens, global_rows: int, masks=None, eod_id: int = 0):
     """The training batches: consecutive streams under TBPTT; a weighted mixture for data.mix
     (`train_tokens` then lists its sources' tokens, `masks` their masks); else one pass per epoch
-    (train.sampler=epoch) or random windows with replacement (random). Each is a pure function of
-    (seed, step). `masks`: the training tokens' loss masks, or None."""
+    (train.sampler=epoch), random windows with replacement (random), or rows that start at documents
+    (documents: `eod_id` ends one). Each is a pure function of (seed, step). `masks`: the training
+    tokens' loss masks, or None."""
     t = cfg.train
+    if t.sampler == "documents":
+        return DocumentSampler(train_tokens, eod_id, t.ctx_len, global_rows, t.seed, masks=masks)
     if t.tbptt:
         return StreamSampler(train_tokens, t.ctx_len, global_rows, t.seed, masks=masks)
     if cfg.data.mix is not None:
@@ -98,12 +102,14 @@ class Trainer:
         *,
         train_mask=None,
         val_mask=None,
+        base: dict | None = None,
     ):
         """`runtime`: the command's resolved device and precision (None: resolve train.device and
         train.precision here, for a Trainer built outside `rwkvx train`). `guard()`: called before
         each checkpoint is written; raises when the run directory is no longer this process's.
         `train_mask`, `val_mask`: the splits' loss masks (a byte per token; for data.mix a list,
-        one per source), or None: every target carries loss."""
+        one per source), or None: every target carries loss. `base`: with train.tune=state, the record of
+        the frozen weights `model` holds (runs/tuned.py's base_record), which its checkpoints name."""
         self.cfg, self.run_dir, self.dist = cfg, Path(run_dir), dist
         self.runtime = runtime if runtime is not None else rt.resolve(cfg.train.device, cfg.train.precision)
         self.model = model.to(self.device)
@@ -113,20 +119,28 @@ class Trainer:
         t = cfg.train
         self.global_rows = t.micro_batch * t.grad_accum
         self.micro = micro_slices(self.global_rows, dist.world_size, t.micro_batch)
+        # State tuning (train.tune=state): the weights frozen, the initial state the one thing trained.
+        self.tuned = InitialState(self.model, t.tune_shifts).to(self.device) if t.tune == "state" else None
+        if self.tuned is not None:
+            self.model.requires_grad_(False)
+        self.trainable = self.tuned if self.tuned is not None else self.model
         # Groups are chosen on the plain parameters, by name; DDP wraps the model, FSDP shards it
         # in place (new parameter objects), and the optimizer must hold the final ones.
-        names = {id(p): n for n, p in self.model.named_parameters()}
-        groups = [
-            {**g, "params": [names[id(p)] for p in g["params"]]}
-            for g in parameter_groups(self.model, t.lr, t.weight_decay, t.optimizer == "muon", t.muon_lora)
-        ]
+        names = {id(p): n for n, p in self.trainable.named_parameters()}
+        if self.tuned is None:
+            chosen = parameter_groups(self.model, t.lr, t.weight_decay, t.optimizer == "muon", t.muon_lora)
+        else:  # AdamW without weight decay: decay would pull the state back to zero, the frozen model's own
+            chosen = [{"params": list(self.tuned.parameters()), "lr_scale": 1.0, "weight_decay": 0.0, "name": "state"}]
+        groups = [{**g, "params": [names[id(p)] for p in g["params"]]} for g in chosen]
         self.runtime.apply()
-        self.wrapped = distributed.wrap(self.model, t.distributed, self.device, self.precision)
-        params = dict(self.model.named_parameters())
-        self.optimizer = optimizers.build(
-            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, sharded(self.model)
+        self.wrapped = distributed.wrap(
+            self.model, t.distributed, self.device, self.precision, trains=self.tuned is None
         )
-        self.sampler = make_sampler(cfg, train_tokens, self.global_rows, train_mask)
+        params = dict(self.trainable.named_parameters())
+        self.optimizer = optimizers.build(
+            [{**g, "params": [params[n] for n in g["params"]]} for g in groups], t, sharded(self.trainable)
+        )
+        self.sampler = make_sampler(cfg, train_tokens, self.global_rows, train_mask, tokenizer.eod_id)
         self.loss_tokens: int | None = None  # the last step's targets that carry loss (with masks)
         # TBPTT: the detached recurrent state each micro-batch carries into the next step.
         self.carry: list[list | None] = [None] * len(self.micro)
@@ -139,13 +153,14 @@ class Trainer:
         self.checkpoints = CheckpointManager(
             checkpoints_dir(self.run_dir),
             cfg,
-            self.model,
+            self.trainable,  # state tuning: the state alone, the frozen weights named by `base`
             self.optimizer,
             self.micro,
             dist,
             self.device,
             before_save=self.sinks.sync,
             guard=guard,
+            base=base,
         )
         self.forward = torch.compile(self.wrapped) if t.compile else self.wrapped
         self.model.grad_checkpointing = t.grad_cp
@@ -198,7 +213,8 @@ class Trainer:
             self.carry = restored.carry
 
     def load_initial(self, weights: dict, source: str) -> None:
-        """Start from weights elsewhere (train.init_from, read by runs/initial.py)."""
+        """Start from weights elsewhere (train.init_from, read by runs/initial.py); not with state tuning,
+        whose frozen weights the model holds from the start."""
         self.checkpoints.load_initial(weights, source)
 
     # -- the loop ---------------------------------------------------------------------------------
@@ -223,13 +239,16 @@ class Trainer:
             with distributed.grad_sync(self.wrapped, t.distributed, sync=last):
                 with self.runtime.autocast():
                     w = None if weights is None else weights[rows]
-                    loss, state = self._loss(x[rows], y[rows], self.carry[micro], w)
+                    start = self.carry[micro] if self.tuned is None else self.tuned.expand(rows.stop - rows.start)
+                    loss, state = self._loss(x[rows], y[rows], start, w)
                 if t.tbptt:
                     self.carry[micro] = self.model.carried(state)
                 (loss * weight if weights is None else loss).backward()
             total += loss.detach() * weight
         total = distributed.sum_all(total) / self.dist.world_size
-        norm = distributed.clip_grad_norm_(self.model, t.grad_clip)
+        if self.tuned is not None:  # outside DDP and FSDP (the frozen model has nothing for them to reduce)
+            distributed.average_grads(self.tuned)
+        norm = distributed.clip_grad_norm_(self.trainable, t.grad_clip)
         loss_value, norm_value = torch.stack([total, norm.to(total.dtype)]).tolist()  # one host sync
         if self.loss_tokens == 0:
             loss_value = math.nan  # a mean over no target: not applied, as a non-finite step
@@ -364,8 +383,13 @@ class Trainer:
         return last
 
     def validate(self) -> dict:
-        """Validation loss and bits per byte (every rank computes the same; FSDP needs them all)."""
+        """Validation loss and bits per byte (every rank computes the same; FSDP needs them all); with
+        train.sampler=documents every validation document read alone from its start, from the tuned state
+        (train.tune=state) or the zero state, as training reads its rows."""
         t = self.cfg.train
+        if t.sampler == "documents":
+            figures = (t.ctx_len, t.micro_batch, t.eval_tokens, self.tokenizer, self.runtime)
+            return evaluate_documents(self.model, self.val_tokens, *figures, masks=self.val_mask, initial=self.tuned)
         return evaluate(
             self.model,
             self.val_tokens,

@@ -20,6 +20,8 @@ finished run plots the losses, validates, and samples a little text. It reports 
 from __future__ import annotations
 
 import contextlib
+import copy
+import dataclasses
 import warnings
 from collections.abc import Callable, Collection
 from dataclasses import dataclass
@@ -37,6 +39,7 @@ from rwkvx_cli.formats.sizes import sizes_line
 from rwkvx_cli.fsio import RUN_MARKER, atomic_write_bytes, atomic_write_text, check_writable_dir, claim_dir
 from rwkvx_cli.models import LM, build_model
 from rwkvx_cli.models.generate import generate
+from rwkvx_cli.models.state import InitialState
 from rwkvx_cli.models.summary import model_summary
 from rwkvx_cli.runs import runtime as rt
 from rwkvx_cli.runs.data import RunData, ensure_data, needs_preparing, prepare_command
@@ -46,6 +49,7 @@ from rwkvx_cli.runs.lock import LOCK_NAME, hold_run
 from rwkvx_cli.runs.memory import check_model, check_training
 from rwkvx_cli.runs.opening import Checkpoint, find_checkpoint
 from rwkvx_cli.runs.tokenizers import check_same_tokenizer
+from rwkvx_cli.runs.tuned import base_record
 from rwkvx_cli.runs.weights import load_into
 from rwkvx_cli.train import distributed
 from rwkvx_cli.train.distributed import SINGLE, DistInfo
@@ -106,18 +110,35 @@ def init_run(
         if start is not None:
             load_into(model, start_weights(start, model), start.source)
         meta = {"config": config_to_dict(cfg)}
-        full.save_checkpoint(checkpoints_dir(run_dir), 0, model, None, meta, cfg.train.keep_last)
+        saved = model
+        if cfg.train.tune == "state":  # the zero initial state, and the frozen weights it is tuned for
+            meta["base"] = base_record(cfg.train.init_from, start.weights, start.step, model)
+            saved = InitialState(model, cfg.train.tune_shifts)
+        full.save_checkpoint(checkpoints_dir(run_dir), 0, saved, None, meta, cfg.train.keep_last)
     summary = model_summary(model)
     if start is not None:
         summary["initial"] = start_report(start)
     return summary
 
 
-def _start_from(cfg: Config, on_skip: Callable[[Path, str], None] | None = None) -> Start | None:
-    """train.init_from's plan, its sizes written into `cfg.model` (None without init_from)."""
+def _start_from(
+    cfg: Config, on_skip: Callable[[Path, str], None] | None = None, base: dict | None = None
+) -> Start | None:
+    """train.init_from's plan, its sizes written into `cfg.model` (None without init_from). `base`: a
+    state-tuned run's record of its frozen weights (its newest checkpoint's), read again from where they
+    were read (an rwkvx run given as train.init_from may have newer checkpoints since)."""
     if not cfg.train.init_from:
         return None
-    start = plan_start(cfg, on_skip)
+    planned = cfg
+    if base is not None:
+        planned = copy.copy(cfg)
+        planned.train = dataclasses.replace(cfg.train, init_from=base["weights"])
+    start = plan_start(planned, on_skip)
+    if cfg.train.tune == "state" and start.plan is not None:
+        raise UsageError(
+            "train.tune=state: the config asks for MoBA blocks that train.init_from's weights lack (an upcycle); "
+            "state tuning keeps its base as it is: upcycle and train it first with train.tune=full"
+        )
     cfg.model = start.model
     cfg.validate(cfg.written | {"model.vocab_size"})  # the weights gave the vocabulary (data.eod_id's check)
     return start
@@ -220,9 +241,17 @@ def run_training(
 def _saved_config(run_dir: Path) -> Config | None:
     """The config of the run's newest readable checkpoint (None: none yet), its paths absolute: a run
     saved before they were keeps its relative ones, which name files from the current directory."""
+    saved = _saved(run_dir)
+    return saved[0] if saved is not None else None
+
+
+def _saved(run_dir: Path) -> tuple[Config, dict | None] | None:
+    """(config, "base": a state-tuned run's frozen weights) of the run's newest readable checkpoint."""
     for path in reversed(store.list_checkpoints(checkpoints_dir(run_dir))):
         try:
-            return resolve_paths(config_from_dict(store.read_meta(path)["config"]))
+            meta = store.read_meta(path)
+            base = meta.get("base")
+            return resolve_paths(config_from_dict(meta["config"])), base if isinstance(base, dict) else None
         except (CheckpointError, ConfigError):
             continue  # damaged: resume reports it and falls back
     return None
@@ -235,14 +264,16 @@ def _plan_start(
     resume changes, train.decay_from's checkpoint); `on_skip`: see plan_start."""
     if not resume and any(store.step_of(p) > 0 for p in store.step_dirs(checkpoints_dir(run_dir))):
         raise UsageError(f"{run_dir} already has training checkpoints: pass --resume, or choose another run_dir")
-    saved = _saved_config(run_dir) if resume else None
+    saved, base = (_saved(run_dir) if resume else None) or (None, None)
     start = branch = None
     if cfg.train.decay_from and saved is None:  # a branch that has not written a checkpoint yet
         branch = plan_decay(cfg, run_dir, on_skip)
         saved, allow_change = branch.config, {*allow_change, *DECAY_SETTINGS}
     elif cfg.train.decay_from and saved.train.decay_from:  # a branch resumed: it still ends where its decay does
         cfg.train.tokens = saved.train.tokens - saved.train.decay_tokens + cfg.train.decay_tokens
-    if cfg.train.init_from and saved is not None:
+    if cfg.train.tune == "state":  # the frozen weights are read on every start, a resume's too
+        start = _start_from(cfg, on_skip, base if saved is not None and saved.train.tune == "state" else None)
+    elif cfg.train.init_from and saved is not None:
         cfg.model = sizes_from(saved.model, cfg)  # the sizes the weights gave when the run began
     elif cfg.train.init_from:
         start = _start_from(cfg, on_skip)
@@ -318,12 +349,17 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
 
     def then():  # the other ranks open what rank 0 wrote; the initial weights are read before the model is wrapped
         data, model = opened if dist.is_main else (ensure_data(cfg, run_dir), build_model(cfg.model, cfg.train.seed))
-        return data, model, start_weights(start, model) if start is not None else None
+        initial = start_weights(start, model) if start is not None else None
+        base = None
+        if cfg.train.tune == "state":  # the frozen weights, loaded now whether the run starts or resumes
+            load_into(model, initial, start.source)
+            initial, base = None, base_record(cfg.train.init_from, start.weights, start.step, model)
+        return data, model, initial, base
 
-    data, model, initial = distributed.agreed(then)
+    data, model, initial, base = distributed.agreed(then)
     trainer = Trainer(
         cfg, run_dir, model, data.train.tokens, data.val.tokens, data.tokenizer, dist, runtime, guard,
-        train_mask=getattr(data.train, "mask", None), val_mask=getattr(data.val, "mask", None),
+        train_mask=getattr(data.train, "mask", None), val_mask=getattr(data.val, "mask", None), base=base,
     )
     if not resume or not store.had_checkpoints(checkpoints_dir(run_dir)):
         # A fresh run's log starts empty; lines of an earlier attempt that left no checkpoint are kept aside.
@@ -345,13 +381,17 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
             emit("init_only", kept)
     if trainer.step == 0 and initial is not None:
         trainer.load_initial(initial, start.source)
+    if trainer.step == 0 and start is not None:
         emit("initial", start_report(start))
     if trainer.step == 0 and branch is not None:
         trainer.branch_from(branch.path)
         note = {"event": "decay", "from": str(branch.path), "step": trainer.step, "tokens": trainer.tokens_done}
         distributed.agreed(lambda: trainer.metrics.note(note))
         emit("branched", {**note, "decay_tokens": cfg.train.decay_tokens, "shape": cfg.train.decay_shape})
-    emit("start", TrainStart(model_summary(model), trainer.device, trainer.last_step))
+    summary = model_summary(model)
+    if trainer.tuned is not None:
+        summary["trainable"] = sum(p.numel() for p in trainer.tuned.parameters())
+    emit("start", TrainStart(summary, trainer.device, trainer.last_step))
     with GracefulStop() as stop:
         last = trainer.run(on_event, should_stop=lambda: stop.requested)
     result = TrainResult(trainer.step, last, stop.requested or trainer.step < trainer.last_step, trainer.skipped_steps)
@@ -361,16 +401,18 @@ def _run_training(cfg, resume, dist, runtime, guard, on_event, on_skip, data_pro
         distributed.agreed(lambda: dist.is_main and plot_losses(metrics_path(run_dir), loss_plot_path(run_dir)))
     result.val = trainer.validate()
     # Every rank samples the same text (a sharded model needs them all); rank 0 shows it.
-    result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed, cfg.data.reset_at_eod)
+    result.sample = sample_text(trainer.model, data.tokenizer, cfg.train.seed, cfg.data.reset_at_eod, trainer.tuned)
     return result
 
 
-def sample_text(model, tokenizer, seed: int, reset_at_eod: bool = False) -> str:
+def sample_text(model, tokenizer, seed: int, reset_at_eod: bool = False, initial=None) -> str:
     """The end-of-run sample: a continuation of SAMPLE_PROMPT (each end-of-document token starting a
-    fresh document where the run trained with data.reset_at_eod)."""
+    fresh document where the run trained with data.reset_at_eod), from the tuned state `initial`
+    (train.tune=state) or the zero state."""
     prompt = tokenizer.encode(SAMPLE_PROMPT)
     reset = tokenizer.eod_id if reset_at_eod else None
     ids = generate(
-        model, prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed, tokenizer.vocab_size, reset_at=reset
+        model, prompt, SAMPLE_TOKENS, SAMPLE_TEMPERATURE, SAMPLE_TOP_P, seed, tokenizer.vocab_size, reset_at=reset,
+        state=None if initial is None else initial.expand(1),
     )
     return tokenizer.decode(ids)
