@@ -77,9 +77,9 @@ def parameter_count(mcfg) -> int:
 
 def training_bytes(cfg, precision: str) -> tuple[float, str]:
     """(bytes, how) a training step needs at least: fp32 weights, gradients and AdamW's two moments
-    (16 bytes a parameter; 4 under state tuning, whose frozen weights have neither), one micro-batch's (under chunked BPTT one chunk's) logits and
-    log-probabilities and block inputs, and the sampled batch of token ids. `precision`: the
-    resolved mode (runs/runtime.py)."""
+    (16 bytes a parameter; 4 under state tuning, whose frozen weights have neither), one micro-batch's
+    (under chunked BPTT one chunk's) logits and log-probabilities and block inputs, and the sampled
+    batch of token ids. `precision`: the resolved mode (runs/runtime.py)."""
     t, m = cfg.train, cfg.model
     params = parameter_count(m)
     act_bytes = 2 if precision == "bf16-mixed" else 4  # bf16 autocast
