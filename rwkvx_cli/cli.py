@@ -188,6 +188,7 @@ def bench(
     vs_unchunked: opt.VsFull = False,
     vs_unfused: opt.VsUnfused = False,
     vs_packed: opt.VsPacked = False,
+    vs_finetune: opt.VsFinetune = False,
     state: opt.StateFile = None,
     json_path: opt.JsonOpt = None,
     force: opt.ForceOpt = False,
@@ -201,6 +202,7 @@ def bench(
         ("--vs-unchunked", vs_unchunked),
         ("--vs-unfused", vs_unfused),
         ("--vs-packed", vs_packed),
+        ("--vs-finetune", vs_finetune),
         ("--state", state),
     )
     if model is not None and starts_every:
@@ -215,7 +217,7 @@ def bench(
         from rwkvx_cli.tools.bench_model import bench_model
 
         vs = dict(vs_gpt=vs_gpt, vs_unchunked=vs_unchunked, vs_unfused=vs_unfused, vs_packed=vs_packed)
-        result = bench_model(model, steps, dev, override or [], **vs, state=state)
+        result = bench_model(model, steps, dev, override or [], **vs, state=state, vs_finetune=vs_finetune)
         render_model_bench(result)
         write_json(json_path, result, force=force)
         return

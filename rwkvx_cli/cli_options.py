@@ -99,6 +99,10 @@ Sets = Annotated[Names, typer.Option("--set", help="Config override for --model,
 VsGpt = Annotated[bool, typer.Option("--vs-gpt", help="With --model: also time a same-size GPT; report the ratio.")]
 VsFull = Annotated[bool, typer.Option("--vs-unchunked", help="With train.chunk_len: also time the unchunked step.")]
 VsUnfused = Annotated[bool, typer.Option("--vs-unfused", help="Also time the same model unfused (model.fused=false).")]
+VsFinetune = Annotated[
+    bool,
+    typer.Option("--vs-finetune", help="With train.tune=state: also time full fine-tuning of the same model."),
+]
 VsPacked = Annotated[
     bool, typer.Option("--vs-packed", help="With data.reset_at_eod: also time the same step without document starts.")
 ]

@@ -62,13 +62,13 @@ def render_model_bench(r: dict) -> None:
         f"bench --model {r['config']}{sets} · {r['device']} · {r['precision']} · B={r['batch']} T={r['ctx_len']}"
         f" · head {r['head']}{' · grad_cp' if r['grad_cp'] else ''}{chunked}"
     )
-    other = next((name for name in ("gpt", "unchunked", "unfused", "packed") if name in r), None)
+    other = next((name for name in ("gpt", "unchunked", "unfused", "packed", "finetune") if name in r), None)
     gpt = r.get(other) if other else None
     table = Table(title=title, title_justify="left")
     table.add_column("figure")
     table.add_column("this config" if gpt else "value", justify="right")
     if gpt:
-        table.add_column({"gpt": "GPT"}.get(other, other), justify="right")
+        table.add_column({"gpt": "GPT", "finetune": "full fine-tuning"}.get(other, other), justify="right")
 
     def fmt(val) -> str:
         if val is None:
@@ -90,6 +90,8 @@ def render_model_bench(r: dict) -> None:
         ("peak_mb", "peak memory of a step MiB"),
         ("grads_mb", "  of which gradients MiB"),
         ("activation_mb", "  activations + transients MiB"),
+        ("optimizer_mb", "optimizer state MiB"),
+        ("checkpoint_mb", "a checkpoint's tensors MiB"),
         ("ops", "ops per block, fwd + bwd"),
     ):
         row = [label, fmt(_figure(r, key))]
@@ -112,6 +114,13 @@ def render_model_bench(r: dict) -> None:
         )
     elif "chunked_over_unchunked" in r:
         out.print(f"[bold]chunked / unchunked step time: {r['chunked_over_unchunked']:.2f}x[/] · {r['timing']}")
+    elif "state_over_finetune" in r:
+        q = r["state_over_finetune"]
+        out.print(
+            f"[bold]state tuning / full fine-tuning: {q['step_time']:.2f}x the step time, "
+            f"{q['optimizer_memory']:.2%} of the optimizer state, {q['checkpoint']:.2%} of a checkpoint[/] · "
+            f"{r['timing']}"
+        )
     elif gpt:
         out.print(
             f"[bold]this config / GPT tokens/s: {r['rwkv_over_gpt']:.2f}x[/] · GPT: {gpt['shape']} · {r['timing']}"

@@ -44,7 +44,10 @@ one optimizer step (`optimizers`; the weights are put back after).
 With train.tune=state (or `state`, rwkvx's state file: the steps start from it) the step is state
 tuning's: every weight frozen, the loss backpropagated to the initial state (models/state.py) alone,
 AdamW over it; the weights are the config's seeded init, not train.init_from's (the time does not depend
-on their values), and `trainable` counts the state's parameters. No comparison goes with it.
+on their values), and `trainable` counts the state's parameters. `vs_finetune` also times full
+fine-tuning of the same model (every weight trained, train.optimizer's groups) interleaved with it, and
+reports what each keeps between steps: the optimizer's state and what a checkpoint holds (the trained
+tensors and their optimizer state: a state-tuned checkpoint names its frozen base, never copies it).
 
 Every run also counts the ops a block dispatches in one forward + backward (tools/op_count.py):
 `ops_per_block` for this config's model, and with `vs_unfused` / `vs_gpt` for the unfused model
@@ -53,6 +56,7 @@ and the GPT.
 
 from __future__ import annotations
 
+import copy
 import re
 import statistics
 import time
@@ -121,6 +125,7 @@ def bench_model(
     vs_unfused: bool = False,
     vs_packed: bool = False,
     state: Path | None = None,
+    vs_finetune: bool = False,
 ) -> dict:
     cfg = load_config(config, list(overrides))
     tc = cfg.train
@@ -153,6 +158,10 @@ def bench_model(
     mode = runtime.precision
     l2wrap = uses_l2wrap(tc.l2wrap, model.kinds)
     tuned = None
+    if vs_finetune and state is None and tc.tune != "state":
+        raise UsageError(
+            "--vs-finetune compares state tuning with full fine-tuning: set train.tune=state or give --state"
+        )
     if state is not None or tc.tune == "state":
         if given:
             raise UsageError(f"{given[0]} does not go with state tuning (train.tune=state, --state)")
@@ -193,6 +202,15 @@ def bench_model(
         step_s, packed_s = _interleaved(step, packed, steps, device)
         packed_memory = step_memory(packed, model, device)
         del packed
+    elif vs_finetune:
+        full = copy.deepcopy(model).requires_grad_(True)  # the same weights, every one trained
+        full_opt = _optimizer(full, tc, tc.optimizer)
+        full_step = _train_step(full, full_opt, idx, tc.head, l2wrap, mode, device, tc.compile, tc.chunk_len, starts)
+        full_step()  # warm-up (and the optimizer's state made)
+        step_s, full_s = _interleaved(step, full_step, steps, device)
+        full_memory = {**step_memory(full_step, full, device), **kept_mb(full, full_opt)}
+        full_trainable = sum(p.numel() for p in full.parameters())
+        del full, full_opt, full_step
     elif vs_unfused:
         plain = build_model(replace(cfg.model, fused=False), tc.seed).to(device)  # the same weights
         plain.grad_checkpointing = tc.grad_cp
@@ -211,7 +229,8 @@ def bench_model(
         sync(device)
         step_s = (time.perf_counter() - start) / steps
 
-    memory = step_memory(step, trainable, device)
+    memory = step_memory(step, trainable, device) | kept_mb(trainable, opt)
+    compared = given[0] if given else ("--vs-finetune" if vs_finetune else None)
     if tuned is None:
         optimizer_s = optimizer_steps(model, tc, idx, l2wrap, mode, device, steps, starts)
     activities = [torch.profiler.ProfilerActivity.CPU]
@@ -259,8 +278,8 @@ def bench_model(
         "mfu_formula": "MFU = tokens/s x train FLOPs per token / matmul peak; train FLOPs per token = "
         "6 x matmul weights + the recurrence ops' FLOPs per token (wkv7: 28 N^2 x heads per layer)",
         "parameters": summary["parameters"],
-        "timing": f"median of {steps} steps, interleaved with the {given[0].removeprefix('--vs-')} step's"
-        if given
+        "timing": f"median of {steps} steps, interleaved with the {compared.removeprefix('--vs-')} step's"
+        if compared
         else f"mean of {steps} steps",
         "ops_per_block": _count_rwkv(cfg, mode, device, l2wrap),
         "grad_accum": tc.grad_accum,
@@ -273,6 +292,14 @@ def bench_model(
     else:
         result["optimizer"] = "adamw (the state)"
         result["state"] = str(state) if state is not None else None
+    if vs_finetune:
+        result["finetune"] = {"tokens_per_s": B * T / full_s, "step_ms": full_s * 1e3, **full_memory}
+        result["finetune"]["trainable"] = full_trainable
+        result["state_over_finetune"] = {
+            "step_time": step_s / full_s,
+            "optimizer_memory": result["optimizer_mb"] / full_memory["optimizer_mb"],
+            "checkpoint": result["checkpoint_mb"] / full_memory["checkpoint_mb"],
+        }
     if vs_unfused:
         plain_tokens_per_s = B * T / plain_s
         result["unfused"] = {
@@ -478,6 +505,16 @@ def step_memory(step, model: torch.nn.Module, device: torch.device) -> dict:
             step()
         peak = cpu_peak_bytes(prof.events()) / 2**20
     return {"peak_mb": peak, "grads_mb": grads, "activation_mb": max(peak - grads, 0.0)}
+
+
+def kept_mb(trainable: torch.nn.Module, opt: torch.optim.Optimizer) -> dict:
+    """What training keeps between steps, in MiB: the optimizer's state (`opt` has stepped), and what a
+    checkpoint holds: the trained tensors and that optimizer state."""
+    params = sum(p.numel() * p.element_size() for p in trainable.parameters() if p.requires_grad)
+    moments = sum(
+        t.numel() * t.element_size() for st in opt.state.values() for t in st.values() if torch.is_tensor(t)
+    )
+    return {"optimizer_mb": moments / 2**20, "checkpoint_mb": (params + moments) / 2**20}
 
 
 def cpu_peak_bytes(events) -> int:

@@ -193,6 +193,29 @@ def test_generation_and_bench_start_from_the_tuned_state(runs, tmp_path):
     result = runner.invoke(app, ["bench", "--model", str(cfg), "--state", str(out), "--vs-gpt"])
     assert "--vs-gpt does not go with state tuning" in one_line_error(result, 2)
 
+    # --vs-finetune: the same model fully fine-tuned, interleaved; what each keeps between steps
+    with one_thread():
+        result = runner.invoke(app, ["bench", "--model", str(cfg), "--steps", "1", "--vs-finetune",
+                                     "--json", str(tmp_path / "f.json")])
+    assert result.exit_code == 0, result.output
+    assert "state tuning / full fine-tuning" in result.output
+    bench = json.loads((tmp_path / "f.json").read_text())
+    full, state = bench["finetune"], 3 * 2 * 32 * 32
+    assert full["trainable"] == bench["parameters"] > state == bench["trainable"]
+    # AdamW's two moments of the state (and a step count per tensor); a checkpoint adds the state itself
+    assert bench["optimizer_mb"] == pytest.approx(2 * state * 4 / 2**20, rel=1e-3)
+    assert bench["checkpoint_mb"] == pytest.approx(3 * state * 4 / 2**20, rel=1e-3)
+    assert full["checkpoint_mb"] == pytest.approx(full["trainable"] * 4 / 2**20 + full["optimizer_mb"])
+    assert full["optimizer_mb"] > 10 * bench["optimizer_mb"]  # the moments of every weight that trains
+    ratios = bench["state_over_finetune"]
+    assert ratios["checkpoint"] == pytest.approx(bench["checkpoint_mb"] / full["checkpoint_mb"])
+    assert ratios["checkpoint"] < 0.1
+    assert ratios["step_time"] == pytest.approx(bench["step_ms"] / full["step_ms"])
+    plain = tmp_path / "plain.yaml"
+    plain.write_text(json.dumps({"model": {"vocab_size": 257, "n_layer": 3, "n_embd": 64, "head_size": 32}}))
+    result = runner.invoke(app, ["bench", "--model", str(plain), "--vs-finetune"])
+    assert "--vs-finetune compares state tuning with full fine-tuning" in one_line_error(result, 2)
+
 
 def test_exports_that_do_not_fit_the_checkpoint_are_refused(runs, tmp_path):
     line = one_line_error(export(runs / "base", "state", tmp_path / "x.pth"), 1)
