@@ -170,3 +170,23 @@ def test_no_state_is_the_zero_state_for_shift_mix_and_channel_mix(dtype):
     outs, grads = both(None)
     for a, b in zip(outs + grads, outs0 + grads0, strict=True):
         assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_frozen_channel_mix_weights_get_no_gradient_and_change_no_other(backend):
+    """key and value without requires_grad (state tuning freezes every weight): the fused backward
+    skips their two matmuls; every other gradient equals the one computed with them, bit for bit."""
+    spec = get_op("channel_mix")
+    t = spec.sample(spec.cases[1], torch.Generator().manual_seed(6))
+
+    def grads(frozen):
+        leaves = {n: v.clone().requires_grad_(n not in frozen) for n, v in t.items()}
+        y, s = spec.backends[backend].fn(*(leaves[n] for n in spec.inputs), leaves["state"], eps=1e-5)
+        (y.square().sum() + s.sum()).backward()
+        return {n: v.grad for n, v in leaves.items()}
+
+    full, frozen = grads(()), grads(("key", "value"))
+    assert frozen["key"] is None and frozen["value"] is None
+    assert full["key"] is not None and full["value"] is not None
+    for n in set(full) - {"key", "value"}:
+        assert torch.equal(frozen[n], full[n]), n

@@ -76,17 +76,20 @@ class ChannelMix(torch.autograd.Function):
         dy = torch.zeros_like(x) if dy is None else dy
         dy = dy.reshape(B * T, C)
         dy_mm = dy.to(xk.dtype)
+        # The two weight matmuls run only where autograd asks for those gradients (state tuning
+        # freezes every weight: then they are a third of this backward's matmul work).
+        key_grad, value_grad = ctx.needs_input_grad[4], ctx.needs_input_grad[5]
         da = dy_mm @ vw
-        dvalue = dy_mm.t() @ a
+        dvalue = dy_mm.t() @ a if value_grad else None
         dh = k.relu2_bwd(da, a)
         dxk = (dh @ kw).to(cdt).view(B, T, C)
-        dkey = dh.t() @ xk
+        dkey = dh.t() @ xk if key_grad else None
         ds_out = None if ds_out is None else ds_out.to(cdt).contiguous()
         dx, dweight, dbias, dmix, dstate = k.shift_bwd(
             dxk, ds_out, x, weight, bias, mix, s0, mean, rstd, dy.to(cdt).view(B, T, C), starts
         )
         grads = (dx, dweight, dbias, dmix.view(ctx.mix_shape), dkey, dvalue, dstate)
-        grads = (None if dt is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
+        grads = (None if dt is None or g is None else g.to(dt) for g, dt in zip(grads, ctx.dtypes, strict=True))
         return (*grads, None, None, None)
 
 
