@@ -176,6 +176,18 @@ CASES = {
         (["report", "work", "--png", "user.txt"], "--png user.txt already exists"),
         (["report", "folder"], "holds no finished ablation run"),
     ],
+    "rwkvx_cli.tools.play_chats": [
+        ([], "required"),
+        (["missing.txt", "--out", "new.jsonl"], "source missing.txt does not exist"),
+        (["empty.txt", "--out", "new.jsonl"], "source empty.txt is empty"),
+        (["folder", "--out", "new.jsonl"], "source folder is a directory"),
+        (["binary.txt", "--out", "new.jsonl"], "source binary.txt is not UTF-8"),
+        (["text.txt", "--out", "new.jsonl"], "has no speech of two lines or more"),
+        (["text.txt", "--out", "out.jsonl"], "--out out.jsonl already exists"),
+        (["text.txt", "--out", "link.txt"], "--out link.txt already exists"),
+        (["text.txt", "--out", "user.txt/x.jsonl"], "under a file"),
+        (["text.txt", "--out", "new.jsonl", "--turns", "0"], "--turns: must be at least 1"),
+    ],
     "rwkvx_cli.tools.short_documents": [
         ([], "required"),
         (["missing.txt", "--out", "new.jsonl"], "source missing.txt does not exist"),

@@ -151,7 +151,8 @@ def test_the_cycle_scan_sees_lazy_imports_and_a_package_s_names(tmp_path):
 
 
 def test_only_the_loader_builds_a_model_from_a_checkpoint():
-    """A module that builds a model and reads weights into it: runs/opening.py (every command), and
+    """A module that builds a model and reads weights into it: runs/opening.py (every command, a
+    state-tuned run's frozen base too), and
     the trainer's train.init_from at `rwkvx init` (train/runner.py); no fifth copy."""
     builders = []
     for module in sorted(PACKAGE.rglob("*.py")):

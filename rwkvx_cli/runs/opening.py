@@ -25,6 +25,7 @@ from rwkvx_cli.checkpoints.find import is_checkpoint_dir, open_weights, resolve_
 from rwkvx_cli.checkpoints.store import is_step_dir, step_dirs
 from rwkvx_cli.config import Config, ConfigError, config_from_dict
 from rwkvx_cli.errors import CheckpointError, UsageError
+from rwkvx_cli.formats.errors import FormatError
 from rwkvx_cli.fsio import RUN_MARKER
 from rwkvx_cli.models import LM
 from rwkvx_cli.models.state import InitialState
@@ -33,7 +34,7 @@ from rwkvx_cli.runs.layout import checkpoints_dir, config_path, run_dir_of
 from rwkvx_cli.runs.memory import check_model
 from rwkvx_cli.runs.runtime import Runtime, resolve
 from rwkvx_cli.runs.tokenizers import run_tokenizer
-from rwkvx_cli.runs.weights import load_into
+from rwkvx_cli.runs.weights import load_into, open_source
 
 OnSkip = Callable[[Path, str], None]
 
@@ -142,7 +143,7 @@ def open_checkpoint(
     check_model(cfg.model, runtime.device)  # a forged meta.json can ask for any size
     initial = None
     if base is not None:
-        model = tuning.open_base(cfg, base, str(ckpt.path))
+        model = _open_base(cfg, base, str(ckpt.path))
         initial = InitialState(model, cfg.train.tune_shifts)
         tuning.load_state(initial, tuning.checkpoint_state(ckpt.path, ckpt.meta), str(ckpt.path))
     else:
@@ -162,3 +163,16 @@ def open_checkpoint(
     if initial is not None:
         initial.to(runtime.device)
     return Opened(model, tokenizer, runtime, ckpt, initial)
+
+
+def _open_base(cfg: Config, base: dict, where: str) -> LM:
+    """The frozen model of a state-tuned run (`cfg`: its config; `base`: its checkpoint's record), read
+    from base["weights"] tensor by tensor and checked against the digest."""
+    model = LM(cfg.model)
+    try:
+        with open_source(base["weights"]) as source:
+            load_into(model, source, base["weights"])
+    except (FormatError, CheckpointError) as e:
+        raise CheckpointError(f"{where}: its base weights cannot be read: {e}") from None
+    tuning.check_base(base, model, where)
+    return model

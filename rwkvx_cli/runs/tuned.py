@@ -34,13 +34,11 @@ import torch
 
 from rwkvx_cli.checkpoints.find import open_weights
 from rwkvx_cli.checkpoints.fit import check_finite, mismatch
-from rwkvx_cli.config import Config, ConfigError, ModelConfig
+from rwkvx_cli.config import ConfigError, ModelConfig
 from rwkvx_cli.errors import CheckpointError, RwkvxError
 from rwkvx_cli.formats.errors import FormatError
 from rwkvx_cli.formats.tensors import SafetensorsFiles, materialize
-from rwkvx_cli.models import LM
 from rwkvx_cli.models.state import InitialState
-from rwkvx_cli.runs.weights import load_into, open_source
 
 STATE_META = "rwkvx_state"  # the metadata key of rwkvx's state file
 STATE_FORMAT = 1
@@ -81,19 +79,6 @@ def base_of(meta: dict, where: str) -> dict | None:
     if not (isinstance(base, dict) and isinstance(base.get("weights"), str) and isinstance(base.get("sha256"), str)):
         raise CheckpointError(f"{where}: meta.json's base is malformed: {str(base)[:80]}")
     return base
-
-
-def open_base(cfg: Config, base: dict, where: str) -> LM:
-    """The frozen model of a state-tuned run (`cfg`: its config; `base`: its checkpoint's record), read
-    from base["weights"] tensor by tensor and checked against the digest."""
-    model = LM(cfg.model)
-    try:
-        with open_source(base["weights"]) as source:
-            load_into(model, source, base["weights"])
-    except (FormatError, CheckpointError) as e:
-        raise CheckpointError(f"{where}: its base weights cannot be read: {e}") from None
-    check_base(base, model, where)
-    return model
 
 
 def load_state(initial: InitialState, tensors: dict[str, torch.Tensor], where: str) -> None:

@@ -179,7 +179,7 @@ def test_sources_are_given_one_way_and_the_sampler_is_named(tmp_path, byte_prefi
     result = bad(tmp_path, f"data.corpus=[{corpus}]", f"data.binidx={byte_prefix}", "data.val_tokens=100")
     assert result.exit_code == 2 and "data.corpus and data.binidx both give the training data" in result.stderr
     result = bad(tmp_path, "train.sampler=epochs")
-    assert result.exit_code == 2 and "train.sampler: must be epoch or random" in result.stderr
+    assert result.exit_code == 2 and "train.sampler: 'epochs' is not one of epoch, random, documents" in result.stderr
     result = bad(tmp_path, "train.sampelr=epoch")
     assert result.exit_code == 2 and "did you mean 'sampler'" in result.stderr
 
