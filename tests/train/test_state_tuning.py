@@ -180,6 +180,22 @@ def test_micro_batches_and_heads_do_not_change_the_state_gradient(tmp_path):
             _close(got[1], want[1], 1e-5)
 
 
+def test_under_bf16_mixed_the_state_stays_fp32_and_its_gradient_near_fp32s(tmp_path):
+    """train.precision=bf16-mixed (CPU autocast): the state and its AdamW moments stay fp32, the weights
+    stay frozen, and the first step's state gradient is fp32's within bf16's rounding."""
+    with one_thread():
+        want = _first_step(_trainer(_cfg(), tmp_path / "fp32"))
+        trainer = _trainer(_cfg(precision="bf16-mixed"), tmp_path / "bf16")
+        assert trainer.precision == "bf16-mixed"
+        got = _first_step(trainer)
+    assert all(p.dtype == torch.float32 for p in trainer.tuned.parameters())
+    assert all(t.dtype == torch.float32 for st in trainer.optimizer.state.values() for t in st.values()
+               if torch.is_tensor(t) and t.dim() > 0)
+    assert not any(p.requires_grad or p.grad is not None for p in trainer.model.parameters())
+    assert abs(got[0] - want[0]) < 2e-2 * abs(want[0])
+    _close(got[1], want[1], 3e-2)  # measured 1.1e-2
+
+
 def _rank(rank: int, store: str, out: str, mode: str) -> None:
     import torch.distributed as dist
 
