@@ -44,10 +44,16 @@ def cache(tmp_path_factory):
     return tmp_path_factory.mktemp("native-cache")
 
 
+# One worker builds this module's libraries (`make test` runs xdist with --dist loadgroup): split
+# over two, each would compile every ISA's build of every kernel for itself.
+pytestmark = pytest.mark.xdist_group("native-builds")
+
+
 @pytest.fixture
-def build(monkeypatch, cache, request):
-    """Selects the build `request.param` (an ISA) in a temporary cache."""
-    monkeypatch.setenv("RWKVX_CACHE", str(cache))
+def build(monkeypatch, request):
+    """Selects the build `request.param` (an ISA). The library cache is the suite's own: a library's
+    name hashes its source, headers, ISA flags and compiler, so another ISA's build is another file,
+    and the build this CPU runs by default is the one the rest of the suite already compiled."""
     monkeypatch.setenv(_native.ENV, request.param)
     return request.param
 
@@ -77,10 +83,9 @@ def test_each_build_has_its_vector_width(build):
         assert _native.load_library(source).rwkvx_simd_bytes() == _native.SIMD_BYTES[build], source.name
 
 
-def test_each_precision_is_a_library_of_its_own(monkeypatch, cache):
+def test_each_precision_is_a_library_of_its_own():
     """fp32 and fp64 entry points come from separate builds (training's fp32 compiles half the
     code), each exporting only its own, cached under different names."""
-    monkeypatch.setenv("RWKVX_CACHE", str(cache))
     for source in SOURCES:
         stem = source.stem.removesuffix("_cpu")
         f32, f64 = _native.load_library(source, "f32"), _native.load_library(source, "f64")
