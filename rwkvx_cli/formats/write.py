@@ -14,6 +14,7 @@ import contextlib
 import json
 import os
 import shutil
+import tempfile
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -139,13 +140,13 @@ def check_out_dir(out: Path, force: bool, marker: str = "config.json") -> None:
 @contextlib.contextmanager
 def atomic_dir(out: Path, force: bool = False) -> Iterator[Path]:
     """Yield a temporary sibling directory to fill; on success it is renamed to `out` (replacing
-    an old one only with `force`, see check_out_dir), on any failure it is removed."""
+    an old one only with `force`, see check_out_dir), on any failure it is removed. The sibling is
+    made new under an unpredictable name (mkdtemp: nothing planted there beforehand is followed,
+    emptied or written into)."""
     out = Path(os.path.abspath(out))
     check_out_dir(out, force)
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.name}.tmp{os.getpid()}")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir()
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp", dir=out.parent))
     try:
         yield tmp
         fsync_dir(tmp)

@@ -297,6 +297,22 @@ def test_an_hf_directory_without_config_json_takes_fla_defaults(tmp_path):
     assert sizes.ln_x_eps == pytest.approx(32e-5, rel=1e-12)
 
 
+def test_an_hf_export_never_follows_or_empties_what_is_planted_beside_its_output(tmp_path):
+    """The directory an HF export fills before its rename is made new under an unpredictable name: a
+    link planted at the name it once used (`.<out>.tmp<pid>`) is neither followed nor in the way."""
+    import os
+
+    cfg = ModelConfig(vocab_size=257, n_layer=1, n_embd=64, head_size=32, ln_x_eps=32e-5)
+    mine = tmp_path / "mine"
+    mine.mkdir()
+    (mine / "keep.txt").write_text("mine\n")
+    (tmp_path / f".hf.tmp{os.getpid()}").symlink_to(mine)
+    export_hf(tiny_state(cfg), tmp_path / "hf", cfg=cfg)
+    assert (tmp_path / "hf" / "config.json").is_file()
+    assert [p.name for p in mine.iterdir()] == ["keep.txt"] and (mine / "keep.txt").read_text() == "mine\n"
+    assert sorted(p.name for p in tmp_path.iterdir()) == [f".hf.tmp{os.getpid()}", "hf", "mine"]
+
+
 def test_a_config_with_auto_map_never_runs_the_directory_s_code(hf, tmp_path, corpus):
     """auto_map names remote code: rwkvx reads config.json's fields and the tensors, never imports a file."""
     marker = tmp_path / "ran"
