@@ -264,6 +264,7 @@ def prepare(
         template=tpl.to_json() if tpl is not None else None,
     )
 
+    made = not out_dir.exists()  # a directory this call makes is removed again if bad input stops it
     try:
         claim_dir(out_dir, DATA_MARKER)
     except OSError as e:
@@ -305,6 +306,8 @@ def prepare(
             shutil.rmtree(work, ignore_errors=True)
             if [p.name for p in out_dir.iterdir()] == [DATA_MARKER]:  # failed before writing anything
                 (out_dir / DATA_MARKER).unlink()
+                if made:
+                    out_dir.rmdir()
             raise
         except OSError as e:  # a full disk: say where, and what a resume keeps
             kept = f"what was tokenized is kept in {work}: free space and run again with --resume"

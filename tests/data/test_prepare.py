@@ -108,8 +108,11 @@ def test_errors(tmp_path):
     (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n{"txt": "oops"}\n', encoding="utf-8")
     with pytest.raises(DataError, match=r'bad\.jsonl:2: expected a JSON object with a string "text" field'):
         prepare([tmp_path / "bad.jsonl"], tmp_path / "out")
-    assert not (tmp_path / "out" / "meta.json").exists()
-    assert [p.name for p in (tmp_path / "out").iterdir()] == []  # no temp stream left behind
+    assert not (tmp_path / "out").exists()  # the directory the call made is removed again: no temp stream left
+    (tmp_path / "mine").mkdir()  # a directory that was there stays, empty as it was
+    with pytest.raises(DataError, match=r'bad\.jsonl:2: expected a JSON object'):
+        prepare([tmp_path / "bad.jsonl"], tmp_path / "mine")
+    assert [p.name for p in (tmp_path / "mine").iterdir()] == []
     (tmp_path / "a.txt").write_text("tiny")
     with pytest.raises(DataError, match="leaves no training data"):
         prepare([tmp_path / "a.txt"], tmp_path / "out", val_fraction=5)
@@ -297,7 +300,7 @@ def test_a_record_nested_past_the_stack_is_a_bad_record(tmp_path):
     for workers in (1, 2):
         with pytest.raises(DataError, match=r"a\.jsonl:251: not valid JSON \(nested too deeply\)"):
             prepare([tmp_path / "a.jsonl"], tmp_path / "out", "byte", workers=workers, batch_bytes=20_000)
-        assert list((tmp_path / "out").iterdir()) == []
+        assert not (tmp_path / "out").exists()
         stats = prepare([tmp_path / "a.jsonl"], tmp_path / f"skip{workers}", "byte", skip_bad=True,
                         workers=workers, batch_bytes=20_000)
         assert stats.skipped_records == 1 and stats.documents == 399
