@@ -67,10 +67,7 @@ def evaluate(
                 loss_total += float(each[m].double().sum())
                 loss_count += int(m.sum())
                 loss = each.mean()
-        value = loss.item()
-        if not math.isfinite(value):  # before its progress: one line, not a NaN loss (tests/runs/test_fuzz_files.py)
-            raise RwkvxError(f"the loss on validation window {count // ctx_len + 1} is {value}: the model's weights "
-                             "or settings are damaged, or overflow")
+        value = _finite(loss.item(), f"validation window {count // ctx_len + 1}")
         total += value * y.numel()
         count += y.numel()
         xs.clear()
@@ -100,18 +97,10 @@ def evaluate(
     if masks is not None:
         predicted = predicted[np.asarray(masks[1 : count + 1]) != 0]
         total = loss_total
-    loss = total / max(count if masks is None else loss_count, 1)
-    n_bytes = len(tokenizer.decode(predicted.tolist()).encode("utf-8"))
-    out = {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)),
-        "bpb": total / math.log(2) / n_bytes if n_bytes else None,
-        "tokens": count,
-    }
+    counted = max(count, 1) if masks is None else loss_count  # (as ever: an empty split reads 0, not None)
+    out = {**_figures(total, counted, predicted.tolist(), tokenizer), "tokens": count}
     if masks is not None:
         out["loss_tokens"] = loss_count
-        if not loss_count:
-            out |= {"loss": None, "ppl": None, "bpb": None}
     return out
 
 
@@ -152,7 +141,7 @@ def evaluate_documents(
             logits, _ = model(x, state)
         each = F.cross_entropy(logits.float().flatten(0, 1), y.flatten(), reduction="none")
         carries = m.flatten()
-        total += float(each[carries].double().sum())
+        total += _finite(float(each[carries].double().sum()), f"validation documents {done + 1}-{done + len(rows)}")
         count += int(carries.sum())
         predicted.extend(y.flatten()[carries].tolist())
         inside += sum(int(r[3]) for r in rows)
@@ -170,18 +159,27 @@ def evaluate_documents(
     model.train()
     if not done:
         raise DataError(f"the split holds no document with a token to predict among its first {max_tokens:,} tokens")
-    n_bytes = len(tokenizer.decode(predicted).encode("utf-8"))
-    loss = total / count if count else None
-    out = {
-        "loss": loss,
-        "ppl": math.exp(min(loss, 50.0)) if loss is not None else None,
-        "bpb": total / math.log(2) / n_bytes if n_bytes else None,
-        "tokens": inside,
-        "documents": done,
-    }
+    out = {**_figures(total, count, predicted, tokenizer), "tokens": inside, "documents": done}
     if masks is not None:
         out["loss_tokens"] = count
     return out
+
+
+def _finite(value: float, where: str) -> float:
+    """A batch's loss, refused in one line when not finite (before its progress: not a NaN loss)."""
+    if not math.isfinite(value):
+        raise RwkvxError(f"the loss on {where} is {value}: the model's weights or settings are damaged, or overflow")
+    return value
+
+
+def _figures(total: float, count: int, predicted: list[int], tokenizer) -> dict:
+    """Loss, perplexity and bits per byte of `count` predicted targets whose losses sum to `total` (None
+    over no target; bits per byte None where `predicted`'s tokens decode to no bytes)."""
+    if not count:
+        return {"loss": None, "ppl": None, "bpb": None}
+    n_bytes = len(tokenizer.decode(predicted).encode("utf-8"))
+    loss = total / count
+    return {"loss": loss, "ppl": math.exp(min(loss, 50.0)), "bpb": total / math.log(2) / n_bytes if n_bytes else None}
 
 
 def eval_checkpoint(

@@ -12,7 +12,8 @@ from typer.testing import CliRunner
 from rwkvx_cli.cli import app
 from rwkvx_cli.config import ModelConfig
 from rwkvx_cli.data import ByteTokenizer, write_binidx
-from rwkvx_cli.evaluation.validation import evaluate
+from rwkvx_cli.errors import RwkvxError
+from rwkvx_cli.evaluation.validation import evaluate, evaluate_documents
 from rwkvx_cli.models import build_model
 from rwkvx_cli.runs.runtime import Runtime
 
@@ -31,6 +32,22 @@ def test_bits_per_byte_is_the_loss_over_the_bytes_and_not_defined_over_none():
     only_eod = np.zeros(40, dtype=np.int64)
     ev = evaluate(model, only_eod, 4, 2, 1000, tok, CPU)
     assert ev["tokens"] == 39 and math.isfinite(ev["loss"]) and ev["bpb"] is None
+
+
+@pytest.mark.parametrize("read", ["windows", "documents"])
+def test_a_loss_that_is_not_finite_is_one_line_before_any_figure(read):
+    """Damaged weights: both ways of reading a split refuse the first batch whose loss is not finite,
+    before its progress is reported, naming where."""
+    model = build_model(ModelConfig(vocab_size=257, n_layer=1, n_embd=32, head_size=16), 0)
+    with torch.no_grad():
+        model.head.weight.fill_(float("nan"))
+    tok = ByteTokenizer()
+    text = np.array([0, *tok.encode("ab"), 0, *tok.encode("cd e"), 0], dtype=np.int64)
+    seen = []
+    run = evaluate if read == "windows" else evaluate_documents
+    with pytest.raises(RwkvxError, match=r"the loss on validation (window 1|documents 1-2) is nan: .* damaged"):
+        run(model, text, 4, 2, 1000, tok, CPU, on_progress=lambda *a: seen.append(a[1]))
+    assert seen == [0]  # the start, nothing after
 
 
 def test_eval_of_a_split_of_end_of_document_tokens_says_bits_per_byte_is_not_defined(tmp_path):
