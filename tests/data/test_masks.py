@@ -3,6 +3,7 @@ of workers, shards and merge, an interrupted and resumed prepare; refusals in on
 
 import json
 import shutil
+import time
 
 import numpy as np
 import pytest
@@ -128,10 +129,18 @@ def test_an_interrupted_prepare_resumes_to_the_same_masks(tmp_path, chats, monke
     calls = 0
     run = encode_module.Encoder.run
 
+    state_file = tmp_path / "out" / ".prepare" / "state.json"
+
+    def recorded() -> int:
+        return json.loads(state_file.read_text())["units_done"] if state_file.exists() else 0
+
     def interrupted(self, task):
         nonlocal calls
         calls += 1
-        if calls == 12:
+        if calls == 12:  # mid-way; a unit's state is written by a thread: interrupt once it is on disk
+            deadline = time.monotonic() + 60
+            while recorded() < 1 and time.monotonic() < deadline:
+                time.sleep(0.01)
             raise KeyboardInterrupt
         return run(self, task)
 
