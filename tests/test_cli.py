@@ -11,6 +11,7 @@ from rwkvx_cli import __version__
 from rwkvx_cli.cli import app
 from rwkvx_cli.ops import get_op, op_names, registry
 from rwkvx_cli.ops.registry import Backend, Case, OpSpec
+from rwkvx_cli.tools.gradcheck import plan_gradcheck
 
 runner = CliRunner()
 
@@ -53,18 +54,25 @@ def test_parse_errors_are_one_line_exit_2(args, message):
 
 
 def test_gradcheck_wkv7_passes_and_writes_json(tmp_path):
+    """The command's wiring and JSON, on two backends (a native kernel and a torch one): each production
+    backend's numbers are tools/test_gradcheck.py's; the Triton ones under the interpreter took most of a minute."""
     path = tmp_path / "out" / "gc.json"
-    result = invoke("gradcheck", "--op", "wkv7", "--json", str(path))
+    result = invoke("gradcheck", "--op", "wkv7", "--backend", "cpu", "--backend", "recurrent", "--json", str(path))
     assert result.exit_code == 0, result.output
     assert "PASS wkv7" in result.stdout and "recurrent" in result.stdout
     data = json.loads(path.read_text())
     assert data["op"] == "wkv7" and data["passed"] is True and data["seconds"] > 0
     gates = [(r["gate"], r["case"]) for r in data["results"]]
     assert ("B", "finite_diff") in gates and ("A", "ragged_T") in gates
-    assert {r["backend"] for r in data["results"]} == {bk.name for bk in get_op("wkv7").production_backends()}
+    assert {r["backend"] for r in data["results"]} == {"cpu", "recurrent"}
     for r in data["results"]:
         for c in r["columns"]:
             assert c["max_rel"] < 1e-3 and not c["vacuous"], (r["case"], c)
+
+
+def test_gradcheck_without_backend_checks_every_production_backend():
+    ((spec, backends),) = plan_gradcheck("wkv7", None, 1)
+    assert [bk.name for bk in backends] == [bk.name for bk in get_op("wkv7").production_backends()]
 
 
 def test_unknown_op_is_a_usage_error():

@@ -205,37 +205,58 @@ def gate_a_bf16(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -
 
 def gate_b(spec: OpSpec, bk: Backend, case: Case, seed: int, device=None) -> CaseResult:
     start = time.perf_counter()
-    ref = spec.backends[spec.reference]
-    gen = torch.Generator().manual_seed(seed)
-    tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
-    with torch.no_grad():
-        y0, s0 = spec.call(ref, tensors, case)
-    cot = _cotangents(spec, y0, s0, gen)
+    tensors, cot, fd = _finite_differences(spec, case, seed)
     dtype = torch.float64 if bk.supports_fp64 else torch.float32
     _, _, g = _grads(spec, tensors, bk, case, dtype, cot, device)
-
-    def loss() -> float:
-        y, states_out = spec.call(ref, tensors, case)
-        return _loss(y, states_out, cot).item()
-
-    cols = []
-    with torch.no_grad():
-        for name in _names(spec, tensors, case):
-            x = tensors[name].view(-1)
-            fd = torch.empty_like(x)
-            for e in range(x.numel()):
-                orig = x[e].item()
-                h = FD_STEP * (1.0 + abs(orig))
-                x[e] = orig + h
-                lp = loss()
-                x[e] = orig - h
-                lm = loss()
-                x[e] = orig
-                fd[e] = (lp - lm) / (2.0 * h)
-            cols.append(compare(f"d{name}", g[name], fd.view_as(tensors[name]), is_grad=True))
+    cols = [compare(f"d{name}", g[name], fd[name], is_grad=True) for name in fd]
     return CaseResult(
         "B", case.name, dict(case.dims), bk.name, str(dtype).removeprefix("torch."), cols, time.perf_counter() - start
     )
+
+
+# Gate B's central differences are of the fp64 reference, so they are the same for every backend of an op: each
+# (op, case, seed) is differenced once in a process (the minutes of `gradcheck --op all` were mostly this loop, once
+# per backend). Keyed by everything the loop reads, the reference's function itself included, so a spec carrying
+# another reference (a test's planted bug) is differenced afresh.
+_FD_CACHE: dict[tuple, tuple[Tensors, list[torch.Tensor], dict[str, torch.Tensor]]] = {}
+
+
+def _finite_differences(spec: OpSpec, case: Case, seed: int) -> tuple[Tensors, list[torch.Tensor], dict]:
+    """The sampled fp64 inputs, the cotangents and d(loss)/d(input) by central differences of the reference
+    (a step of FD_STEP (1 + |x|)), for each input and state that the case checks. Copies: callers may write."""
+    ref = spec.backends[spec.reference]
+    key = (spec.name, spec.sample, spec.reset_inputs, spec.kwargs, spec.inputs, spec.states, spec.outputs)
+    key += (spec.cotangent_scales, ref.fn, ref.resets)
+    key += (repr(case), seed, FD_STEP)
+    if key not in _FD_CACHE:
+        gen = torch.Generator().manual_seed(seed)
+        tensors = {n: t.float().double() for n, t in spec.sample(case, gen).items()}
+        with torch.no_grad():
+            y0, s0 = spec.call(ref, tensors, case)
+        cot = _cotangents(spec, y0, s0, gen)
+
+        def loss() -> float:
+            y, states_out = spec.call(ref, tensors, case)
+            return _loss(y, states_out, cot).item()
+
+        fds = {}
+        with torch.no_grad():
+            for name in _names(spec, tensors, case):
+                x = tensors[name].view(-1)
+                fd = torch.empty_like(x)
+                for e in range(x.numel()):
+                    orig = x[e].item()
+                    h = FD_STEP * (1.0 + abs(orig))
+                    x[e] = orig + h
+                    lp = loss()
+                    x[e] = orig - h
+                    lm = loss()
+                    x[e] = orig
+                    fd[e] = (lp - lm) / (2.0 * h)
+                fds[name] = fd.view_as(tensors[name])
+        _FD_CACHE[key] = tensors, cot, fds
+    tensors, cot, fds = _FD_CACHE[key]
+    return {n: t.clone() for n, t in tensors.items()}, [c.clone() for c in cot], {n: f.clone() for n, f in fds.items()}
 
 
 def run_gradcheck(

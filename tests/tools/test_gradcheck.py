@@ -131,3 +131,18 @@ def test_report_json_shape():
     cols = d["results"][0]["columns"]
     assert [c["name"] for c in cols] == ["y", "state_out", "dr", "dw", "dk", "dv", "da", "db", "dstate", "dw_eff"]
     assert all(c["max_rel"] < THRESHOLD and c["passed"] for c in cols)
+
+
+def test_gate_b_differences_each_reference_afresh():
+    """Gate B's finite differences are kept per (op, case, seed) across backends; a spec with another
+    reference (here one whose outputs are 1% off) must be differenced anew, so the right backend fails."""
+    spec = get_op("shift_mix")
+    assert gate_b(spec, spec.backends["cpu"], spec.fd_case, seed=0).passed
+    ref = spec.backends[spec.reference]
+
+    def off(*args, **kwargs):
+        ys, state = ref.fn(*args, **kwargs)
+        return tuple(y * 1.01 for y in ys), state
+
+    skewed = replace(spec, backends={**spec.backends, "reference": replace(ref, fn=off)})
+    assert not gate_b(skewed, skewed.backends["cpu"], skewed.fd_case, seed=0).passed
