@@ -7,6 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -56,3 +57,15 @@ def test_gpu_check_reports_a_failing_step(tmp_path):
     assert steps["gradcheck"]["status"] == "FAIL" and "exit 1" in steps["gradcheck"]["detail"]
     assert steps["auto"]["status"] == "ok"
     assert "| gradcheck | FAIL |" in md and "FAIL in" in md
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="a CUDA device is here: --device cuda runs")
+def test_cuda_without_a_cuda_device_is_one_line_before_any_step(tmp_path):
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path)}
+    cmd = [sys.executable, "-m", "rwkvx_cli.tools.gpu_check", "--device", "cuda", "--out", str(tmp_path / "out")]
+    proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == ""
+    assert proc.stderr.strip().splitlines() == [
+        "error: --device cuda: no CUDA device is available here (on the CPU: --device cpu --quick)"
+    ]
+    assert not (tmp_path / "out").exists()
