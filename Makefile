@@ -66,7 +66,7 @@ gpu-compile-test: $(TEST_STAMP)
 
 # The tests of many minutes each (the compile gate, torch.compile with a warm cache): CI runs them.
 test-slow: $(TEST_STAMP)
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "slow or gpu_compile"
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadgroup -m "slow or gpu_compile" --durations=20
 
 # The aarch64 (NEON) build of the CPU kernels, cross-compiled and run under qemu-user, through
 # both gradient-check gates (part of test-slow). Needs Debian's g++-aarch64-linux-gnu and
