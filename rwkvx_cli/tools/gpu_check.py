@@ -43,7 +43,6 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rwkvx_cli.entry import ArgumentParser, run_main
-from rwkvx_cli.errors import UsageError
 from rwkvx_cli.fsio import check_output, write_output
 
 ROOT = Path(__file__).resolve().parents[2]  # the checkout (rwkvx_cli/tools/ is two below it)
@@ -539,11 +538,10 @@ def main(argv: list[str] | None = None) -> int:
     for name in ("gpu.json", "gpu.md"):
         check_output(out / name, args.force, "--out")  # before minutes of checks
 
-    import torch
-
-    if args.device == "cuda" and not torch.cuda.is_available():  # every step would fail, a minute later
-        raise UsageError("--device cuda: no CUDA device is available here (on the CPU: --device cpu --quick)")
     from rwkvx_cli.ops import op_names
+    from rwkvx_cli.runs.runtime import resolve_device
+
+    resolve_device(args.device, setting="--device")  # cuda without a GPU: one line here, not a failure in each step
 
     start = time.perf_counter()
     ops = [o for o in args.ops.split(",") if o] or op_names()
