@@ -30,6 +30,15 @@ from rwkvx_cli.native import NativeBuildError, load_library
 OPS_DIR = Path(__file__).parent
 
 
+def assume_constant_result(fn: Callable) -> Callable:
+    """`torch.compiler.assume_constant_result(fn)` (torch.compile calls `fn` once, at trace time,
+    and bakes in its result) without what that costs at import: torch's decorator imports
+    torch._dynamo (1.6 s of a 3.4 s `import rwkvx_cli.ops`, in every process, the CLI's included)
+    to set one attribute. tests/ops/test_cpu_op.py holds this to torch's decorator."""
+    fn._dynamo_marked_constant = True
+    return fn
+
+
 def _plain(args) -> bool:
     """Every tensor among `args` (and in lists among them) is a plain torch.Tensor."""
     for a in args:
@@ -95,7 +104,7 @@ class NativeKernel:
         self.source = OPS_DIR / op / "csrc" / f"{op}_cpu.cpp"
         self.argtypes = {"forward": forward, "backward": backward}
 
-        @torch.compiler.assume_constant_result  # torch.compile asks once, at trace time
+        @assume_constant_result  # torch.compile asks once, at trace time
         def unavailable() -> str | None:
             """None when the kernel builds and loads here, else the reason."""
             if needs is not None and (why := needs.unavailable()) is not None:

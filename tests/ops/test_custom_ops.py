@@ -265,3 +265,30 @@ def test_eager_calls_skip_the_dispatcher_and_anything_that_could_tell_goes_throu
 
     assert not _cpu_op.direct_call_allowed([torch.nn.Parameter(w7[0])])
     assert not _cpu_op.direct_call_allowed([[w7[0], torch.nn.Parameter(w7[0])]])  # inside a list, too
+
+
+def test_the_constant_result_mark_is_torchs_and_importing_the_ops_leaves_dynamo_unloaded():
+    """ops/_cpu_op.py marks each kernel's `unavailable` as torch.compiler.assume_constant_result does
+    (so Dynamo calls it once, at trace time) without importing torch._dynamo: every process that
+    imports the ops, the CLI's and each test's subprocess, would pay 1.6 s for it. (Where Triton
+    compiles, its ops are torch.library.triton_ops, whose registration imports Inductor and so
+    Dynamo; the tests run Triton's interpreter, conftest.py.)"""
+    import subprocess
+    import sys
+
+    from rwkvx_cli.ops import _cpu_op
+
+    def theirs():
+        return None
+
+    def ours():
+        return None
+
+    torch.compiler.assume_constant_result(theirs)
+    _cpu_op.assume_constant_result(ours)
+    assert vars(ours) == vars(theirs) != {}
+    assert vars(wkv7_cpu.KERNEL.unavailable) == vars(theirs)
+
+    probe = "import sys, rwkvx_cli.ops; print(sorted(m for m in sys.modules if m.startswith('torch._dynamo')))"
+    out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout
