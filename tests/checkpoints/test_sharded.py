@@ -30,6 +30,10 @@ from rwkvx_cli.errors import CheckpointError
 from rwkvx_cli.models import LM, parameter_groups
 from rwkvx_cli.models.optimizer import IMPLEMENTATION, adamw
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `written`
+# (two gloo ranks writing a sharded checkpoint, 12 s) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("sharded")
+
 # vocab 77 and the [1, 1, C] mixing vectors: rows that split unevenly, and ranks that hold none.
 CFG = ModelConfig(n_layer=2, n_embd=64, head_size=32, vocab_size=77)
 META = {"config": {"model": {"n_layer": 2}}, "world_size": 2}

@@ -17,6 +17,10 @@ from rwkvx_cli.native import NativeBuildError
 rwkv = pytest.importorskip("rwkv")
 from rwkv.rwkv_tokenizer import TRIE_TOKENIZER  # noqa: E402
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `ref`
+# (the reference tokenizer and its cases) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("world")
+
 REF_VOCAB = os.path.join(os.path.dirname(rwkv.__file__), "rwkv_vocab_v20230424.txt")
 def _native_builds() -> bool:
     try:

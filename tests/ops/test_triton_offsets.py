@@ -20,6 +20,10 @@ from rwkvx_cli.ops.wkv4 import fused_triton as wkv4_ft  # noqa: E402
 from rwkvx_cli.ops.wkv7 import chunked_triton as wkv7_ct  # noqa: E402
 from rwkvx_cli.ops.wkv7 import fused_triton as wkv7_ft  # noqa: E402
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `ttir`
+# (the kernels compiled to TTIR in a subprocess) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("triton-offsets")
+
 # The largest launches of a 1.5B-class model at ctx 4096 (B, T, H, N).
 PRODUCTION = [(32, 4096, 32, 128), (64, 4096, 64, 64), (64, 4096, 32, 128)]
 

@@ -20,6 +20,10 @@ from rwkvx_cli.runs.opening import open_checkpoint
 from tests.data.chats import write_chats
 from tests.train.helpers import one_line_error, one_thread
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `runs`
+# (a base run and two state-tuning runs) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("state-export")
+
 runner = CliRunner()
 TOKENS = [5, 17, 3, 96, 0, 42, 7, 7, 13, 200, 31, 31, 64]
 

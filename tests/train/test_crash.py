@@ -15,6 +15,10 @@ from typer.testing import CliRunner
 from rwkvx_cli.cli import app
 from tests.train.helpers import REPO, cli_command, env, losses, one_thread, rows, tiny_args
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `reference`
+# (the uninterrupted reference run) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("crash")
+
 runner = CliRunner()
 
 # 16 steps, a checkpoint after every one (so kills land in checkpoint writes too), keep 3.

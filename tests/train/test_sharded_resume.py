@@ -19,6 +19,10 @@ from rwkvx_cli.cli import app
 from rwkvx_cli.runs.weights import load_weights_file
 from tests.train.helpers import losses, rollback_to, rows, run_cli, tiny_args
 
+# One worker runs this module (`make test`: xdist --dist loadgroup), so its module fixture `runs`
+# (the same run written in each format) is built once, not on each worker taking a test.
+pytestmark = pytest.mark.xdist_group("sharded-resume")
+
 runner = CliRunner()
 
 # 10 steps with truncated BPTT (so the carry is checkpointed too), checkpoints at 4, 8 and 10.
