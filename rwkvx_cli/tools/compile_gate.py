@@ -31,7 +31,7 @@ import os
 import re
 import subprocess
 import sys
-from concurrent.futures import ProcessPoolExecutor
+from concurrent.futures import ProcessPoolExecutor, ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from rwkvx_cli.entry import ArgumentParser, run_main
@@ -176,10 +176,13 @@ def _recorder(seen: dict[str, Launch], origin: list[str]):
     return original, run
 
 
-def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[Launch]:
+def record_launches(
+    head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17, backends: list[str] | None = None
+) -> list[Launch]:
     """Every distinct launch of every Triton backend's forward and backward at these head sizes
-    and input dtypes (B = H = 1 and a short T: the constants depend on N and the dtype only).
-    Must run with TRITON_INTERPRET=1 set before triton is imported."""
+    and input dtypes (B = H = 1 and a short T: the constants depend on N and the dtype only), or
+    of `backends` only ("op/backend" names, see `triton_backends`). Must run with
+    TRITON_INTERPRET=1 set before triton is imported."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -193,7 +196,9 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
         for name in op_names():
             spec = get_op(name)
             for bk in spec.backends.values():
-                if "triton" not in bk.name or not bk.production or bk.unavailable() is not None:
+                if not _recorded(bk) or (backends is not None and f"{name}/{bk.name}" not in backends):
+                    continue
+                if bk.unavailable() is not None:
                     continue
                 for dims in _compile_dims(spec, head_sizes):
                     N = dims["N"]
@@ -210,6 +215,18 @@ def record_launches(head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17) -> list[L
     finally:
         InterpretedFunction.run = original
     return list(seen.values())
+
+
+def _recorded(bk) -> bool:
+    """Whether the gate records (and so compiles) backend `bk`: every production Triton backend."""
+    return "triton" in bk.name and bk.production
+
+
+def triton_backends() -> list[str]:
+    """The backends `record_launches` runs where Triton runs, as "op/backend", in its order."""
+    from rwkvx_cli.ops import get_op, op_names
+
+    return [f"{name}/{bk.name}" for name in op_names() for bk in get_op(name).backends.values() if _recorded(bk)]
 
 
 def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
@@ -316,19 +333,35 @@ def compile_all(launches: list[Launch], targets=TARGETS, workers: int | None = N
     return [Compiled(**{**r, "launch": Launch(**r["launch"])}) for r in rows]
 
 
-def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES) -> list[Launch]:
-    """Run `record_launches` in a child process with the interpreter on."""
+def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES, workers: int | None = None) -> list[Launch]:
+    """`record_launches` with the interpreter on, in child processes: one per backend, `workers`
+    at a time (default: one per core). The interpreter runs every kernel, so recording is the
+    gate's slow half (about 13 minutes of one 2-core Zen 3 core in all); the result is the list
+    one process would record, in its order (each launch recorded where it is first launched)."""
+    backends = triton_backends()
+    workers = max(1, min(len(backends), workers or os.cpu_count() or 1))
     code = (
         "import json, sys; from dataclasses import asdict; "
         "from rwkvx_cli.tools.compile_gate import record_launches; "
-        f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r})]))"
+        f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r}, "
+        "backends=sys.argv[1:])]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
-        raise RwkvxError(f"recording the launches (under TRITON_INTERPRET=1) failed: {last}")
-    return [Launch(**x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+    def record(backend: str) -> list[Launch]:
+        proc = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, env=env)
+        if proc.returncode != 0:
+            last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
+            raise RwkvxError(f"recording the launches of {backend} (under TRITON_INTERPRET=1) failed: {last}")
+        return [Launch(**x) for x in json.loads(proc.stdout.strip().splitlines()[-1])]
+
+    with ThreadPoolExecutor(workers) as pool:
+        per_backend = list(pool.map(record, backends))
+    seen: dict[str, Launch] = {}
+    for launches in per_backend:
+        for launch in launches:
+            seen.setdefault(launch.key(), launch)
+    return list(seen.values())
 
 
 def main(argv: list[str] | None = None) -> int:
