@@ -8,7 +8,8 @@ cannot share one import of the kernel modules:
    production head sizes and dtypes, and records each distinct kernel launch:
    the kernel, the type of every argument, the compile-time constants, the
    launch options. Nothing is written per kernel by hand: a new kernel is
-   covered as soon as a backend launches it.
+   covered as soon as a backend launches it. The kernels are recorded, not run
+   (`execute=True` runs them too, through the interpreter: minutes).
 2. `compile_launch()` (without the interpreter) compiles one recorded launch
    ahead of time for a target such as sm_90 (`triton.compile` with
    `GPUTarget`), and reads the shared memory from its metadata and the
@@ -143,7 +144,7 @@ def _constant(value):
     return {"dtype": name}
 
 
-def _recorder(seen: dict[str, Launch], origin: list[str]):
+def _recorder(seen: dict[str, Launch], origin: list[str], execute: bool):
     from triton.runtime.interpreter import InterpretedFunction
 
     original = InterpretedFunction.run
@@ -171,18 +172,25 @@ def _recorder(seen: dict[str, Launch], origin: list[str]):
             origin[0],
         )
         seen.setdefault(launch.key(), launch)
-        return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+        if execute:
+            return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+        return None
 
     return original, run
 
 
 def record_launches(
-    head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17, backends: list[str] | None = None
+    head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17, backends: list[str] | None = None, execute: bool = False
 ) -> list[Launch]:
     """Every distinct launch of every Triton backend's forward and backward at these head sizes
     and input dtypes (B = H = 1 and a short T: the constants depend on N and the dtype only), or
     of `backends` only ("op/backend" names, see `triton_backends`). Must run with
-    TRITON_INTERPRET=1 set before triton is imported."""
+    TRITON_INTERPRET=1 set before triton is imported.
+
+    A launch is recorded from its arguments; the kernel itself runs only with `execute` (through
+    the interpreter, minutes at the production sizes). Without it the kernels' outputs are left
+    as allocated, which changes no launch: no backend's Python reads a kernel's output to choose
+    the next launch's arguments (tests/tools/test_compile_gate.py compares both ways)."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -190,7 +198,7 @@ def record_launches(
 
     seen: dict[str, Launch] = {}
     origin = [""]
-    original, patched = _recorder(seen, origin)
+    original, patched = _recorder(seen, origin, execute)
     InterpretedFunction.run = patched
     try:
         for name in op_names():
@@ -333,18 +341,20 @@ def compile_all(launches: list[Launch], targets=TARGETS, workers: int | None = N
     return [Compiled(**{**r, "launch": Launch(**r["launch"])}) for r in rows]
 
 
-def record_in_subprocess(head_sizes=HEAD_SIZES, dtypes=DTYPES, workers: int | None = None) -> list[Launch]:
+def record_in_subprocess(
+    head_sizes=HEAD_SIZES, dtypes=DTYPES, workers: int | None = None, execute: bool = False
+) -> list[Launch]:
     """`record_launches` with the interpreter on, in child processes: one per backend, `workers`
-    at a time (default: one per core). The interpreter runs every kernel, so recording is the
-    gate's slow half (about 13 minutes of one 2-core Zen 3 core in all); the result is the list
-    one process would record, in its order (each launch recorded where it is first launched)."""
+    at a time (default: one per core); the result is the list one process would record, in its
+    order (each launch recorded where it is first launched). With `execute` the interpreter runs
+    every kernel too: 13 minutes of a 2-core Zen 3's core at the production sizes."""
     backends = triton_backends()
     workers = max(1, min(len(backends), workers or os.cpu_count() or 1))
     code = (
         "import json, sys; from dataclasses import asdict; "
         "from rwkvx_cli.tools.compile_gate import record_launches; "
         f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r}, "
-        "backends=sys.argv[1:])]))"
+        f"backends=sys.argv[1:], execute={execute!r})]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
 

@@ -38,6 +38,14 @@ def test_every_triton_backend_is_recorded(launches):
     assert {launch.constants.get("N") for launch in launches if "N" in launch.constants} >= {64, 128}
 
 
+def test_recording_without_running_the_kernels_records_what_running_them_does():
+    """The gate records each launch without running its kernel (record_launches): right as long as
+    no backend chooses a launch's arguments from an earlier kernel's output. Every backend, at one
+    head size and dtype, both ways: the same launches in the same order."""
+    args = ((64,), ("fp32",))
+    assert record_in_subprocess(*args) == record_in_subprocess(*args, execute=True)
+
+
 def test_every_kernel_compiles_fits_and_keeps_its_spill_budget(launches):
     results = compile_all(launches, TARGETS, workers=2)
     assert len(results) == len(launches) * len(TARGETS)
