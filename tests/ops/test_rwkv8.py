@@ -198,7 +198,8 @@ def test_auto_falls_back_to_the_chunked_form_without_a_compiler(monkeypatch):
     [
         dict(B=1, T=37, H=1, L=16, E=80, Hv=1),
         dict(B=1, T=37, H=1, L=16, E=80, Hv=1, zero_state=True),
-        dict(B=2, T=19, H=2, L=40, E=80, Hv=2),  # two row blocks too, the last partial
+        # two row blocks too, the last partial: ~20 s under the interpreter, in make test-slow
+        pytest.param(dict(B=2, T=19, H=2, L=40, E=80, Hv=2), marks=pytest.mark.slow),
     ],
     ids=["init_state", "zero_state", "row_blocks"],
 )

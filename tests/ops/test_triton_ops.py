@@ -351,6 +351,7 @@ def _op_calls():
     return calls
 
 
+@pytest.mark.slow  # opcheck runs each of 24 ops several ways under Triton's interpreter: ~35 s
 def test_every_op_passes_opcheck():
     # schema, fake implementation (the body with no launch, under the interpreter), autograd
     # registration (none: the autograd.Function is around the ops) and AOT dispatch, dynamic shapes

@@ -1,6 +1,7 @@
 """`rwkvx train` with chunked full BPTT (train.chunk_len): the losses are full BPTT's, a resume
 is bit-exact, and it goes with the hybrid, truncated BPTT and gradient accumulation."""
 
+import pytest
 from typer.testing import CliRunner
 
 from rwkvx_cli.cli import app
@@ -52,6 +53,7 @@ def test_a_negative_chunk_len_is_one_line_exit_2(tmp_path, corpus):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow  # DDP, then FSDP2, on 2 gloo ranks: ~45 s on 2 CPU cores
 def test_ddp_and_fsdp_train_chunked_like_one_process(tmp_path, corpus):
     """Two gloo ranks, DDP and FSDP2, on the hybrid with chunked BPTT: the chunks run inside one
     forward, so each parameter's gradient is summed over them before the ranks reduce it."""

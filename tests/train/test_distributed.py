@@ -60,6 +60,7 @@ def test_rank_layout_from_torchrun_env():
         from_env({"RANK": "4", "WORLD_SIZE": "4"})
 
 
+@pytest.mark.slow  # two torchrun launches and three resumes: ~40 s on 2 CPU cores
 def test_two_gloo_processes_match_one_and_resume_across_modes(tmp_path, corpus):
     reference = single(tmp_path / "one", corpus)
     assert len(reference) == 10 and reference[-1] < reference[0]
@@ -93,6 +94,7 @@ def test_two_gloo_processes_match_one_and_resume_across_modes(tmp_path, corpus):
     assert_close(losses(ddp), reference)
 
 
+@pytest.mark.slow  # a torchrun launch between two single-process runs: ~22 s on 2 CPU cores
 def test_tbptt_carry_is_split_over_ranks_and_gathered_again(tmp_path, corpus):
     run = tmp_path / "run"
     reference = single(run, corpus, "train.tbptt=true")

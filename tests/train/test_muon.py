@@ -63,6 +63,7 @@ def test_a_resume_under_another_optimizer_is_refused_in_one_line(tmp_path, corpu
 GLOBAL_BATCH = ("train.micro_batch=2", "train.grad_accum=4", "train.tokens=5120", "train.ckpt_interval=10")
 
 
+@pytest.mark.slow  # DDP, then FSDP2, on 2 gloo ranks: ~40 s on 2 CPU cores
 def test_two_gloo_ranks_take_one_process_s_muon_steps_under_ddp_and_fsdp2(tmp_path, corpus):
     prepared = tmp_path / "prepared"
     assert runner.invoke(app, ["data", "prepare", str(corpus), "--out", str(prepared)]).exit_code == 0
