@@ -252,6 +252,7 @@ def test_two_ranks_write_one_file_each_and_read_back(written):
     assert store.load_extra(ckpt)["carry.0.att"].equal(torch.arange(12.0).reshape(4, 3))
 
 
+@pytest.mark.slow  # four spawned ranks: ~20 s on 2 CPU cores (the 2-rank and 1-process reads stay in make test)
 def test_four_ranks_read_what_two_wrote(written):
     tmp, _ = written
     launch("read", 4, tmp)

@@ -154,6 +154,7 @@ def test_a_build_this_cpu_cannot_run_still_compiles(tmp_path, isa):
         assert target.stat().st_size > 0
 
 
+@pytest.mark.slow  # every kernel compiled again at -O3 in the AVX-512 layout: ~90 s of compiles on 2-core Zen 3
 @pytest.mark.skipif("avx2" not in RUNNABLE or "avx512" in RUNNABLE, reason="an AVX2 CPU without AVX-512")
 @pytest.mark.parametrize("op", CPU_OPS)
 def test_the_avx512_layout_is_right_on_an_avx2_cpu(monkeypatch, cache, op):
