@@ -144,7 +144,8 @@ def _constant(value):
     return {"dtype": name}
 
 
-def _recorder(seen: dict[str, Launch], origin: list[str], execute: bool):
+def _recorder(seen: dict[str, Launch], origin: list[str], execute: bool, fill: float | None):
+    import torch
     from triton.runtime.interpreter import InterpretedFunction
 
     original = InterpretedFunction.run
@@ -174,13 +175,22 @@ def _recorder(seen: dict[str, Launch], origin: list[str], execute: bool):
         seen.setdefault(launch.key(), launch)
         if execute:
             return original(self, *args, grid=grid, warmup=warmup, **kwargs, **options)
+        if fill is not None:  # what the kernel would write, as one value everywhere
+            for value in (*args, *kwargs.values()):
+                if isinstance(value, torch.Tensor) and value.is_floating_point():
+                    value.fill_(fill)
         return None
 
     return original, run
 
 
 def record_launches(
-    head_sizes=HEAD_SIZES, dtypes=DTYPES, T: int = 17, backends: list[str] | None = None, execute: bool = False
+    head_sizes=HEAD_SIZES,
+    dtypes=DTYPES,
+    T: int = 17,
+    backends: list[str] | None = None,
+    execute: bool = False,
+    fill: float | None = None,
 ) -> list[Launch]:
     """Every distinct launch of every Triton backend's forward and backward at these head sizes
     and input dtypes (B = H = 1 and a short T: the constants depend on N and the dtype only), or
@@ -188,9 +198,11 @@ def record_launches(
     TRITON_INTERPRET=1 set before triton is imported.
 
     A launch is recorded from its arguments; the kernel itself runs only with `execute` (through
-    the interpreter, minutes at the production sizes). Without it the kernels' outputs are left
-    as allocated, which changes no launch: no backend's Python reads a kernel's output to choose
-    the next launch's arguments (tests/tools/test_compile_gate.py compares both ways)."""
+    the interpreter: minutes at the production sizes, against seconds). Without it the tensors a
+    kernel would write hold whatever they held (with `fill`, every floating tensor of a launch is
+    set to that value instead), which changes no launch as long as no backend reads a tensor's
+    value to choose a launch's arguments: tests/tools/test_compile_gate.py records every backend
+    with two fills, and compared both ways once at every size (the same 120 launches)."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -198,7 +210,7 @@ def record_launches(
 
     seen: dict[str, Launch] = {}
     origin = [""]
-    original, patched = _recorder(seen, origin, execute)
+    original, patched = _recorder(seen, origin, execute, fill)
     InterpretedFunction.run = patched
     try:
         for name in op_names():
@@ -342,7 +354,7 @@ def compile_all(launches: list[Launch], targets=TARGETS, workers: int | None = N
 
 
 def record_in_subprocess(
-    head_sizes=HEAD_SIZES, dtypes=DTYPES, workers: int | None = None, execute: bool = False
+    head_sizes=HEAD_SIZES, dtypes=DTYPES, workers: int | None = None, execute: bool = False, fill: float | None = None
 ) -> list[Launch]:
     """`record_launches` with the interpreter on, in child processes: one per backend, `workers`
     at a time (default: one per core); the result is the list one process would record, in its
@@ -354,7 +366,7 @@ def record_in_subprocess(
         "import json, sys; from dataclasses import asdict; "
         "from rwkvx_cli.tools.compile_gate import record_launches; "
         f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r}, "
-        f"backends=sys.argv[1:], execute={execute!r})]))"
+        f"backends=sys.argv[1:], execute={execute!r}, fill={'None' if fill is None else f'float({str(fill)!r})'})]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
 
