@@ -34,7 +34,7 @@ def assume_constant_result(fn: Callable) -> Callable:
     """`torch.compiler.assume_constant_result(fn)` (torch.compile calls `fn` once, at trace time,
     and bakes in its result) without what that costs at import: torch's decorator imports
     torch._dynamo (1.6 s of a 3.4 s `import rwkvx_cli.ops`, in every process, the CLI's included)
-    to set one attribute. tests/ops/test_cpu_op.py holds this to torch's decorator."""
+    to set one attribute. tests/ops/test_custom_ops.py holds this to torch's decorator."""
     fn._dynamo_marked_constant = True
     return fn
 
