@@ -124,12 +124,17 @@ def _flags(isa: str, precision: str | None) -> tuple[str, ...]:
     return (*BASE_FLAGS, *ISA_FLAGS[isa], *([PRECISIONS[precision]] if precision else []))
 
 
+def cache_root() -> Path:
+    """rwkvx's cache directory: $RWKVX_CACHE, else ~/.cache/rwkvx (the libraries go in native/)."""
+    return Path(os.environ.get("RWKVX_CACHE", Path.home() / ".cache" / "rwkvx"))
+
+
 def build_path(source: Path, isa: str, compiler: str, precision: str | None = "f32") -> Path:
     """Where the library for (source, isa, precision) is cached: named by a hash of everything the build reads."""
     parts = [Path(source).read_bytes(), *(h.read_bytes() for h in sorted(HEADER_DIR.glob("*.h")))]
     flags = _flags(isa, precision)
     key = hashlib.sha256(b"\0".join([*parts, " ".join(flags).encode(), compiler.encode()]))
-    cache_dir = Path(os.environ.get("RWKVX_CACHE", Path.home() / ".cache" / "rwkvx")) / "native"
+    cache_dir = cache_root() / "native"
     return cache_dir / f"{Path(source).stem}-{isa}-{precision or 'all'}-{key.hexdigest()[:16]}.so"
 
 

@@ -365,13 +365,14 @@ def record_in_subprocess(
     code = (
         "import json, sys; from dataclasses import asdict; "
         "from rwkvx_cli.tools.compile_gate import record_launches; "
-        f"print(json.dumps([asdict(x) for x in record_launches({tuple(head_sizes)!r}, {tuple(dtypes)!r}, "
-        f"backends=sys.argv[1:], execute={execute!r}, fill={'None' if fill is None else f'float({str(fill)!r})'})]))"
+        "print(json.dumps([asdict(x) for x in record_launches(**json.loads(sys.argv[1]))]))"
     )
     env = {**os.environ, "TRITON_INTERPRET": "1"}
+    settings = {"head_sizes": list(head_sizes), "dtypes": list(dtypes), "execute": execute, "fill": fill}
 
     def record(backend: str) -> list[Launch]:
-        proc = subprocess.run([sys.executable, "-c", code, backend], capture_output=True, text=True, env=env)
+        argv = [sys.executable, "-c", code, json.dumps({**settings, "backends": [backend]})]  # NaN survives json
+        proc = subprocess.run(argv, capture_output=True, text=True, env=env)
         if proc.returncode != 0:
             last = (proc.stderr.strip().splitlines() or [f"exit {proc.returncode}"])[-1]
             raise RwkvxError(f"recording the launches of {backend} (under TRITON_INTERPRET=1) failed: {last}")

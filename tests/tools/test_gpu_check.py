@@ -2,13 +2,14 @@
 of bench/gpu.json and bench/gpu.md, and that a failing step is reported with a non-zero exit."""
 
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
+
+from rwkvx_cli.native import cache_root
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -17,8 +18,7 @@ def _gpu_check(tmp_path, *args) -> subprocess.CompletedProcess:
     # the package from the checkout, as on a GPU box: no venv entry points on PATH; the native
     # kernels from the suite's cache (rwkvx_cli/native.py), not compiled afresh under the new HOME
     # (30 s of each run here, and not what these tests check)
-    cache = os.environ.get("RWKVX_CACHE") or str(Path.home() / ".cache" / "rwkvx")
-    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "RWKVX_CACHE": cache}
+    env = {"PATH": "/usr/bin:/bin", "PYTHONPATH": str(ROOT), "HOME": str(tmp_path), "RWKVX_CACHE": str(cache_root())}
     cmd = [sys.executable, "-m", "rwkvx_cli.tools.gpu_check", *args]
     return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
 
