@@ -5,7 +5,9 @@ second seed at each recipe's best rate, at the sizes of SIZES, on the CPython st
     python -m rwkvx_cli.tools.optimizer_ablation corpus runs/ablation/stdlib.jsonl
     python -m rwkvx_cli.tools.optimizer_ablation run runs/ablation --size L4-D128 --tokens 3000000 \\
         --lrs 1e-3,2e-3,4e-3 [--recipes adamw+cosine,muon+cosine,...] [--seeds 0,1] [--branches 0.5]
-    python -m rwkvx_cli.tools.optimizer_ablation report runs/ablation [--png PATH] [--json PATH] [--force]
+    python -m rwkvx_cli.tools.optimizer_ablation keep runs/ablation bench/ablation
+    python -m rwkvx_cli.tools.optimizer_ablation report bench/ablation [runs/ablation ...] \\
+        [--png PATH] [--json PATH] [--force]
 
 `corpus` writes one JSONL document per `.py` file of this Python's standard library (sorted by path,
 site-packages left out): about 31 MB of code that ships with every Python, nothing downloaded. Every
@@ -18,7 +20,12 @@ continues. The rate also sets lr_final (a twentieth of it); the warmup is 5% of 
 at that fraction of the tokens, which gives the recipe's annealed loss at a shorter run for a fifth of
 that run's tokens; those runs are `<recipe>-lr<rate>-s<seed>-at<fraction>`.
 
-`report` reads every run under WORKDIR: per size, each recipe's final validation loss per rate, its
+`keep` copies what `report` reads of each finished run (its config.yaml and metrics.jsonl, a few
+kB; no checkpoint) to OUT/<size>/<run>: the repository keeps them in bench/ablation, so the tables
+in the docs can be reported again, and a later sweep added to them, without the runs.
+
+`report` reads every finished run under each WORKDIR (a run found in two of them must hold the same
+curve): per size, each recipe's final validation loss per rate, its
 best rate (seed 0), the seeds at the best rate, and the tokens it needs to reach the baseline's final
 validation loss (the mean over the baseline's seeds): where its validation curve first reaches it
 (linear between evaluations; a run's curve before its decay is not annealed, so this overstates what
@@ -44,7 +51,7 @@ from rwkvx_cli.fsio import check_output, check_writable_dir, claim_dir, open_app
 
 PROG = "python -m rwkvx_cli.tools.optimizer_ablation"
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "ablation.yaml"
-SIZES = {"L4-D128": (4, 128), "L6-D256": (6, 256), "L8-D512": (8, 512)}
+SIZES = {"L4-D128": (4, 128), "L6-D256": (6, 256), "L8-D384": (8, 384), "L8-D512": (8, 512)}
 RECIPES = ("adamw+cosine", "muon+cosine", "adamw+wsd", "muon+wsd")
 BASELINE = "adamw+cosine"
 TOKENS_PER_STEP = 512 * 8 * 4  # configs/ablation.yaml's ctx_len x micro_batch x grad_accum
@@ -167,12 +174,52 @@ def read_runs(work: Path) -> list[dict]:
     return found
 
 
+def read_all(workdirs: list[Path]) -> list[dict]:
+    """The finished runs of every workdir; a run (size and name) found twice counts once, and only
+    where both hold the same curve."""
+    found: dict[tuple[str, str], tuple[dict, Path]] = {}
+    for work in workdirs:
+        for run in read_runs(work):
+            key = (run["size"], run["run"])
+            if key in found:
+                if found[key][0]["val"] != run["val"]:
+                    raise UsageError(f"{run['size']}/{run['run']} differs between {found[key][1]} and {work}")
+                continue
+            found[key] = (run, work)
+    return [run for run, _ in found.values()]
+
+
+KEPT = ("config.yaml", "metrics.jsonl")
+
+
+def keep_runs(work: Path, out: Path) -> list[str]:
+    """Copy KEPT of every finished run under `work` to out/<size>/<run>; returns what it copied
+    ("size/run"), leaving out the runs `out` already holds with the same files. A run that `out`
+    holds with other files is refused: nothing is replaced."""
+    runs = read_runs(work)
+    todo = []
+    for run in runs:
+        src, dst = work / run["size"] / run["run"], out / run["size"] / run["run"]
+        same = [(dst / f).is_file() and (dst / f).read_bytes() == (src / f).read_bytes() for f in KEPT]
+        if all(same):
+            continue
+        if any((dst / f).exists() for f in KEPT):
+            raise UsageError(f"{dst} already holds another {run['run']}; remove it to keep this one")
+        todo.append((src, dst))
+    for src, dst in todo:
+        for f in KEPT:
+            write_output(dst / f, (src / f).read_bytes(), flag="keep")
+    return [f"{dst.parent.name}/{dst.name}" for _, dst in todo]
+
+
 def tokens_to_reach(val: list[tuple[int, float]], target: float) -> float | None:
     """The tokens where the curve first reaches `target`, linear between evaluations (None: never)."""
+    if val and val[0][1] <= target:
+        return val[0][0]  # already there at the first evaluation (nothing before it to read)
     for (t0, v0), (t1, v1) in zip(val, val[1:], strict=False):
         if v1 <= target:
-            return t1 if v0 == v1 else t0 + (t1 - t0) * (v0 - target) / (v0 - v1)
-    return val[0][0] if val and val[0][1] <= target else None
+            return t0 + (t1 - t0) * (v0 - target) / (v0 - v1)  # v0 > target >= v1
+    return None
 
 
 def summarise(runs: list[dict]) -> dict:
@@ -284,8 +331,11 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--recipes", default=",".join(RECIPES))
     r.add_argument("--seeds", default="0")
     r.add_argument("--branches", default="", help="WSD: decays branched at these fractions of the run")
+    k = sub.add_parser("keep", help="copy each finished run's config and metrics (no checkpoint) to OUT")
+    k.add_argument("workdir", type=Path)
+    k.add_argument("out", type=Path)
     p = sub.add_parser("report", help="the table (and picture) of the finished runs")
-    p.add_argument("workdir", type=Path)
+    p.add_argument("workdir", type=Path, nargs="+")
     p.add_argument("--png", type=Path)
     p.add_argument("--json", type=Path)
     p.add_argument("--force", action="store_true", help="replace --png / --json if they exist")
@@ -311,14 +361,26 @@ def main(argv: list[str] | None = None) -> int:
         claim_dir(args.workdir, MARKER)
         run_plan(args.workdir, args.size, args.tokens, lrs, recipes, seeds, branches)
         return 0
+    if args.command == "keep":
+        if not args.workdir.is_dir():
+            raise UsageError(f"{args.workdir} is not a directory")
+        if not read_runs(args.workdir):
+            raise UsageError(f"{args.workdir} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
+        check_writable_dir(args.out, MARKER, what="out")
+        claim_dir(args.out, MARKER)
+        kept = keep_runs(args.workdir, args.out)
+        print(f"kept {len(kept)} run(s) in {args.out}" + "".join(f"\n  {name}" for name in kept))
+        return 0
     for out, flag in ((args.png, "--png"), (args.json, "--json")):
         if out is not None:
             check_output(out, args.force, flag)
-    if not args.workdir.is_dir():
-        raise UsageError(f"{args.workdir} is not a directory")
-    runs = read_runs(args.workdir)
+    for work in args.workdir:
+        if not work.is_dir():
+            raise UsageError(f"{work} is not a directory")
+    runs = read_all(args.workdir)
     if not runs:
-        raise UsageError(f"{args.workdir} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
+        where = " or ".join(str(w) for w in args.workdir)
+        raise UsageError(f"{where} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
     report = summarise(runs)
     print("\n".join(table(report)))
     if args.json is not None:
