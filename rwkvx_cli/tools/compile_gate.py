@@ -8,8 +8,9 @@ cannot share one import of the kernel modules:
    production head sizes and dtypes, and records each distinct kernel launch:
    the kernel, the type of every argument, the compile-time constants, the
    launch options. Nothing is written per kernel by hand: a new kernel is
-   covered as soon as a backend launches it. The kernels are recorded, not run
-   (`execute=True` runs them too, through the interpreter: minutes).
+   covered as soon as a backend launches it. The kernels are recorded, not run,
+   and torch's matmuls around them are not computed either (`execute=True` runs
+   both, the kernels through the interpreter: minutes).
 2. `compile_launch()` (without the interpreter) compiles one recorded launch
    ahead of time for a target such as sm_90 (`triton.compile` with
    `GPUTarget`), and reads the shared memory from its metadata and the
@@ -184,6 +185,28 @@ def _recorder(seen: dict[str, Launch], origin: list[str], execute: bool, fill: f
     return original, run
 
 
+def _skipped_matmuls(fill: float | None):
+    """A dispatch mode under which torch's matmuls return their result's shape and dtype, set to
+    `fill` (0 without), instead of computing it: at the widest compile sizes channel_mix's bf16
+    matmuls alone took most of the recording (~10 s each on an AVX2 CPU, which has no bf16 matmul
+    unit). Like a skipped kernel's output, no launch may depend on their values (the two-fill test)."""
+    import torch
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    aten = torch.ops.aten
+    # op -> where its two factors are among the arguments (addmm and baddbmm take the summand first)
+    factors = {aten.mm.default: 0, aten.bmm.default: 0, aten.addmm.default: 1, aten.baddbmm.default: 1}
+
+    class SkipMatmuls(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func not in factors:
+                return func(*args, **(kwargs or {}))
+            a, b = args[factors[func]], args[factors[func] + 1]
+            return torch.full((*a.shape[:-1], b.shape[-1]), 0.0 if fill is None else fill, dtype=a.dtype)
+
+    return SkipMatmuls()
+
+
 def record_launches(
     head_sizes=HEAD_SIZES,
     dtypes=DTYPES,
@@ -200,9 +223,11 @@ def record_launches(
     A launch is recorded from its arguments; the kernel itself runs only with `execute` (through
     the interpreter: minutes at the production sizes, against seconds). Without it the tensors a
     kernel would write hold whatever they held (with `fill`, every floating tensor of a launch is
-    set to that value instead), which changes no launch as long as no backend reads a tensor's
-    value to choose a launch's arguments: tests/tools/test_compile_gate.py records every backend
-    with two fills, and compared both ways once at every size (the same 120 launches)."""
+    set to that value instead), and torch's matmuls return `fill` (0 without) uncomputed, which
+    changes no launch as long as no backend reads a tensor's value to choose a launch's arguments:
+    tests/tools/test_compile_gate.py records every backend with two fills, and both ways were
+    compared once at every size (the same 120 launches). Each op's inputs are sampled once per
+    size and reused (copied) for each dtype."""
     import torch
     from triton.runtime.interpreter import InterpretedFunction
 
@@ -211,6 +236,7 @@ def record_launches(
     seen: dict[str, Launch] = {}
     origin = [""]
     original, patched = _recorder(seen, origin, execute, fill)
+    samples: dict[str, dict] = {}  # one op's inputs at one size, for each dtype
     InterpretedFunction.run = patched
     try:
         for name in op_names():
@@ -225,13 +251,15 @@ def record_launches(
                     wide = name in WIDE_VALUE and N == min(head_sizes)  # one N is enough: the same kernel
                     widths = [{}] + ([{"E": WIDE_VALUE[name] * N, "Hv": 1}] if wide else [])
                     width = f" C={dims['H'] * N}" if dims["H"] > 1 else ""
-                    # with document starts too where the op takes them: their kernels' flag variants
+                    # with document starts too where the op takes them: their kernels' flag variants;
+                    # the dtype inmost, so each case is sampled once (`samples`)
                     resets = ((), spec.fd_case.starts) if spec.fd_case.starts else ((),)
-                    for dt, extra, starts in ((d, e, s) for d in dtypes for e in widths for s in resets):
+                    for extra, starts, dt in ((e, s, d) for e in widths for s in resets for d in dtypes):
                         tag = (f" E={extra['E']}" if extra else "") + (" starts" if starts else "")
                         origin[0] = f"{name}/{bk.name} N={N}{width}{tag} {dt}"
                         dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dt]
-                        _run_backend(spec, bk, dims, T, dtype, extra, starts)
+                        with contextlib.nullcontext() if execute else _skipped_matmuls(fill):
+                            _run_backend(spec, bk, dims, T, dtype, extra, starts, samples)
     finally:
         InterpretedFunction.run = original
     return list(seen.values())
@@ -257,7 +285,11 @@ def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
     return [{"H": 1, "N": N} for N in head_sizes]
 
 
-def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None, starts=()) -> None:
+def _run_backend(
+    spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None, starts=(), samples=None
+) -> None:
+    """One forward and backward of backend `bk` at these sizes; `samples` (a dict) keeps each case's
+    sampled inputs for the next call at the same case (another dtype or backend)."""
     import torch
 
     from rwkvx_cli.ops.registry import Case
@@ -267,10 +299,14 @@ def _run_backend(spec, bk, sizes: dict[str, int], T: int, dtype, options: dict |
     dims = {**base.dims, "B": 1, "T": T, **{k: v for k, v in sizes.items() if k in "BTHN"}}
     options = {**{k: v for k, v in sizes.items() if k not in "BTHN"}, **(options or {})}
     case = Case(f"compile_gate_N{N}", dims, True, {**base.options, **options}, starts=starts)
-    tensors = spec.sample(case, torch.Generator().manual_seed(0))
-    inputs = {
-        k: (v.to(dtype) if k in spec.inputs else v.float()).requires_grad_(v.is_floating_point())
-        for k, v in tensors.items()
+    key = repr((spec.name, case))
+    samples = {} if samples is None else samples
+    if key not in samples:
+        samples.clear()  # the previous case's: at most one case's tensors (GBs at the widest) held
+        samples[key] = spec.sample(case, torch.Generator().manual_seed(0))
+    inputs = {  # copies: a recorded launch's tensors are filled, the kept samples must not be
+        k: (v.to(dtype, copy=True) if k in spec.inputs else v.float().clone()).requires_grad_(v.is_floating_point())
+        for k, v in samples[key].items()
     }
     y, states = spec.call(bk, inputs, case)
     loss = sum(o.float().square().sum() for o in (*y, *states))

@@ -42,10 +42,11 @@ def test_every_triton_backend_is_recorded(launches):
 def test_no_launch_depends_on_what_a_kernel_writes():
     """The gate records each launch without running its kernel (record_launches): right as long as
     no backend reads a tensor's value to choose a launch's arguments. Every backend, at one head
-    size and dtype, with what each launch would write set to 1 everywhere, then to NaN: the same
-    launches in the same order (a count, a maximum or a threshold read from a kernel's output
-    differs between the two, or fails on NaN). Recording with every kernel run, at every size,
-    gave the same launches too (2026-12-06), at 3x the time: not repeated here."""
+    size and dtype, with what each launch would write, and each of torch's matmuls (not computed
+    either), set to 1 everywhere, then to NaN: the same launches in the same order (a count, a
+    maximum or a threshold read from a kernel's or a matmul's output differs between the two, or
+    fails on NaN). Recording with every kernel and matmul run, at every size, gave the same
+    launches too (2026-12-06), at 3x the time: not repeated here."""
     args = ((64,), ("fp32",))
     assert record_in_subprocess(*args, fill=1.0) == record_in_subprocess(*args, fill=float("nan"))
 
