@@ -288,8 +288,8 @@ def _compile_dims(spec, head_sizes) -> list[dict[str, int]]:
 def _run_backend(
     spec, bk, sizes: dict[str, int], T: int, dtype, options: dict | None = None, starts=(), samples=None
 ) -> None:
-    """One forward and backward of backend `bk` at these sizes; `samples` (a dict) keeps each case's
-    sampled inputs for the next call at the same case (another dtype or backend)."""
+    """One forward and backward of backend `bk` at these sizes; `samples` (a dict) keeps the case's
+    sampled inputs for the next call at the same case (the next dtype)."""
     import torch
 
     from rwkvx_cli.ops.registry import Case
@@ -305,7 +305,7 @@ def _run_backend(
         samples.clear()  # the previous case's: at most one case's tensors (GBs at the widest) held
         samples[key] = spec.sample(case, torch.Generator().manual_seed(0))
     inputs = {  # copies: a recorded launch's tensors are filled, the kept samples must not be
-        k: (v.to(dtype, copy=True) if k in spec.inputs else v.float().clone()).requires_grad_(v.is_floating_point())
+        k: v.to(dtype if k in spec.inputs else torch.float32, copy=True).requires_grad_(v.is_floating_point())
         for k, v in samples[key].items()
     }
     y, states = spec.call(bk, inputs, case)
