@@ -19,6 +19,12 @@ import signal  # noqa: E402
 
 import pytest  # noqa: E402
 
+# A suite started in the background by a shell (`make test &`, nohup) inherits SIGINT ignored, and so
+# would every process it starts: the tests that send a Ctrl-C to one would see it ignored. Python's own
+# handler (what an interactive start gets) is put back, which the subprocesses inherit as the default.
+if signal.getsignal(signal.SIGINT) == signal.SIG_IGN:
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+
 
 @pytest.fixture(autouse=True)
 def _signal_dispositions():
