@@ -20,6 +20,7 @@ REQUIRED = os.environ.get("RWKVX_REQUIRE_CROSS") == "1"
 
 pytestmark = [
     pytest.mark.slow,
+    pytest.mark.xdist_group("aarch64"),  # one worker builds the cross library (~33 s), not each
     pytest.mark.skipif(MISSING is not None and not REQUIRED, reason=f"aarch64 under qemu: {MISSING}"),
 ]
 
