@@ -200,6 +200,9 @@ def keep_runs(work: Path, out: Path) -> list[str]:
     todo = []
     for run in runs:
         src, dst = work / run["size"] / run["run"], out / run["size"] / run["run"]
+        for d in (dst.parent, dst):  # a planted link would take the copies somewhere else
+            if d.is_symlink():
+                raise UsageError(f"{d} is a symbolic link; keep writes only into directories it makes")
         same = [(dst / f).is_file() and (dst / f).read_bytes() == (src / f).read_bytes() for f in KEPT]
         if all(same):
             continue

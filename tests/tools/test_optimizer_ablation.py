@@ -92,3 +92,14 @@ def test_a_run_kept_with_another_curve_is_refused_and_left_as_it_was(tmp_path):
     with pytest.raises(UsageError, match="differs between"):
         ab.read_all([kept, work])
     assert {p: p.read_bytes() for p in kept.rglob("*") if p.is_file()} == before
+
+
+def test_keep_never_writes_through_a_link_planted_in_its_directory(tmp_path):
+    work, kept, elsewhere = tmp_path / "work", tmp_path / "kept", tmp_path / "elsewhere"
+    fake_run(work, "L4-D128", "adamw+cosine", 2e-3, 0, [5.0, 4.4, 4.0, 3.8])
+    elsewhere.mkdir()
+    kept.mkdir()
+    (kept / "L4-D128").symlink_to(elsewhere)
+    with pytest.raises(UsageError, match="is a symbolic link"):
+        ab.keep_runs(work, kept)
+    assert list(elsewhere.iterdir()) == []
