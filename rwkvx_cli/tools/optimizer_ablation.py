@@ -197,6 +197,8 @@ def keep_runs(work: Path, out: Path) -> list[str]:
     ("size/run"), leaving out the runs `out` already holds with the same files. A run that `out`
     holds with other files is refused: nothing is replaced."""
     runs = read_runs(work)
+    if not runs:
+        raise UsageError(f"{work} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
     todo = []
     for run in runs:
         src, dst = work / run["size"] / run["run"], out / run["size"] / run["run"]
@@ -209,6 +211,7 @@ def keep_runs(work: Path, out: Path) -> list[str]:
         if any((dst / f).exists() for f in KEPT):
             raise UsageError(f"{dst} already holds another {run['run']}; remove it to keep this one")
         todo.append((src, dst))
+    claim_dir(out, MARKER)
     for src, dst in todo:
         for f in KEPT:
             write_output(dst / f, (src / f).read_bytes(), flag="keep")
@@ -367,11 +370,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "keep":
         if not args.workdir.is_dir():
             raise UsageError(f"{args.workdir} is not a directory")
-        if not read_runs(args.workdir):
-            raise UsageError(f"{args.workdir} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
         check_writable_dir(args.out, MARKER, what="out")
-        claim_dir(args.out, MARKER)
-        kept = keep_runs(args.workdir, args.out)
+        kept = keep_runs(args.workdir, args.out)  # refuses before anything is written
         print(f"kept {len(kept)} run(s) in {args.out}" + "".join(f"\n  {name}" for name in kept))
         return 0
     for out, flag in ((args.png, "--png"), (args.json, "--json")):
