@@ -194,8 +194,9 @@ KEPT = ("config.yaml", "metrics.jsonl")
 
 def keep_runs(work: Path, out: Path) -> list[str]:
     """Copy KEPT of every finished run under `work` to out/<size>/<run>; returns what it copied
-    ("size/run"), leaving out the runs `out` already holds with the same files. A run that `out`
-    holds with other files is refused: nothing is replaced."""
+    ("size/run"), leaving out the runs `out` already holds with the same files. Refused before
+    anything is written (`out` is claimed only then): a `work` without finished runs, a run that `out`
+    holds with other files (nothing is replaced), a symbolic link at out/<size> or out/<size>/<run>."""
     runs = read_runs(work)
     if not runs:
         raise UsageError(f"{work} holds no finished ablation run (<size>/<run>/metrics.jsonl)")
